@@ -1,0 +1,281 @@
+"""``KVTierClient``: moves planned chunks between an engine's paged KV cache and kvtierd.
+
+One worker thread owns the socket and the staging buffer, so ``store`` and ``load`` return futures
+and run in submission order; ``lookup`` waits for its answer. Store: gather a batch of chunks into
+staging (torch reference copies on CPU), then one PUT. Load: one GET into staging, then scatter the
+chunks that hit. A chunk is True only if its bytes are stored (store) or now in its blocks (load).
+
+When the daemon is down or slow, calls answer False for every chunk (with a warning) instead of
+raising: an engine keeps serving without its cache. After a timeout the session is abandoned (the
+daemon may still act on the old request) and a new one, with a new staging buffer, starts on the
+next call; a restarted daemon is re-greeted the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+
+from kvtierd.protocol import STORED, Op, Status, Tier
+
+from .copies import CopyUnit, build_page_tables, gather, scatter
+from .layout import KVLayout
+from .planner import Chunk
+from .staging import ShmStagingBuffer, align
+from .transport import DaemonError, DaemonUnavailable, Transport
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STAGING_BYTES = 64 * 1024**2
+
+
+class KVTierClient:
+    def __init__(
+        self,
+        address: str,
+        layout: KVLayout,
+        kv_caches: dict[str, torch.Tensor],
+        *,
+        namespace: str | None = None,
+        staging_bytes: int | None = None,
+        timeout_s: float = 30.0,
+        heartbeat_s: float = 5.0,
+        token: str = "",
+    ) -> None:
+        self.layout = layout
+        self.namespace = namespace or layout.namespace
+        self._tables = build_page_tables(layout, kv_caches)
+        for layers in self._tables:
+            if layers and layers[0].pages.device.type != "cpu":
+                raise ValueError(
+                    f"layer {layers[0].name!r} is on {layers[0].pages.device}; this client build "
+                    "copies CPU tensors only (the CUDA path uses the GPU kernels)")
+        largest = max((layout.chunk_nbytes(g) for g, ok in enumerate(layout.offloadable) if ok),
+                      default=0)
+        self.staging_bytes = staging_bytes or max(DEFAULT_STAGING_BYTES, align(largest) * 2)
+        if align(largest) > self.staging_bytes:
+            raise ValueError(f"staging_bytes={self.staging_bytes} cannot hold one chunk of "
+                             f"{largest} bytes; allowed: >= {align(largest)}")
+        self._token = token
+        self._transport = Transport(address, timeout_s)
+        self._staging: ShmStagingBuffer | None = None
+        self._limits: dict[str, int] = {}
+        self.session_id: int | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-client")
+        self._last_call = time.monotonic()
+        self._closed = threading.Event()
+        self._executor.submit(self._ensure_session).result()
+        self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,),
+                                           name="kvtier-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    @classmethod
+    def connect(cls, address: str, *, layout: KVLayout, kv_caches: dict[str, torch.Tensor],
+                **options: Any) -> KVTierClient:
+        """Connect to the daemon at ``address`` and open a session (HELLO)."""
+        return cls(address, layout, kv_caches, **options)
+
+    # -- public API ------------------------------------------------------------------------------
+    def store(self, chunks: Sequence[Chunk]) -> Future[list[bool]]:
+        chunks = self._checked(chunks)
+        return self._executor.submit(self._guarded, self._store, chunks)
+
+    def load(self, chunks: Sequence[Chunk]) -> Future[list[bool]]:
+        chunks = self._checked(chunks)
+        return self._executor.submit(self._guarded, self._load, chunks)
+
+    def lookup(self, chunks: Sequence[Chunk], lease: bool = False) -> list[bool]:
+        chunks = self._checked(chunks)
+        return self._executor.submit(self._guarded, self._lookup, chunks, lease).result()
+
+    def delete(self, chunks: Sequence[Chunk]) -> list[bool]:
+        chunks = self._checked(chunks)
+        return self._executor.submit(self._guarded, self._delete, chunks).result()
+
+    def stats(self) -> dict:
+        return self._executor.submit(lambda: self._call(Op.STATS)[0]["stats"]).result()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._executor.submit(self._bye).result()
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> KVTierClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- validation ------------------------------------------------------------------------------
+    def _checked(self, chunks: Sequence[Chunk]) -> list[Chunk]:
+        if self._closed.is_set():
+            raise RuntimeError("KVTierClient is closed")
+        out = list(chunks)
+        for chunk in out:
+            g = chunk.group
+            if not 0 <= g < len(self.layout.groups) or not self.layout.offloadable[g]:
+                raise ValueError(f"chunk group {g} is not an offloadable group of this layout; "
+                                 f"allowed: {[i for i, ok in enumerate(self.layout.offloadable) if ok]}")
+            if len(chunk.block_ids) != self.layout.blocks_per_chunk[g]:
+                raise ValueError(f"group {g}: chunk has {len(chunk.block_ids)} block ids; allowed: "
+                                 f"exactly blocks_per_chunk={self.layout.blocks_per_chunk[g]}")
+            blocks = self._tables[g][0].pages.shape[0]
+            bad = [b for b in chunk.block_ids if b != -1 and not 0 <= b < blocks]
+            if bad:
+                raise ValueError(f"group {g}: block ids {bad} are outside the KV cache; allowed: "
+                                 f"0..{blocks - 1} or -1")
+        return out
+
+    # -- worker-thread side ----------------------------------------------------------------------
+    def _guarded(self, fn: Any, chunks: list[Chunk], *args: Any) -> list[bool]:
+        try:
+            return fn(chunks, *args)
+        except DaemonUnavailable as exc:
+            log.warning("kvtierd unavailable, %d chunk(s) treated as misses: %s", len(chunks), exc)
+            self._abandon_session()
+            return [False] * len(chunks)
+
+    def _ensure_session(self) -> None:
+        if self._staging is not None:
+            return
+        staging = ShmStagingBuffer(self.staging_bytes)
+        try:
+            header, _ = self._transport.call(
+                Op.HELLO, namespace=self.namespace, rank=self.layout.rank,
+                fingerprint=self.layout.fingerprint, staging=staging.handle(), token=self._token,
+                client={"pid": os.getpid(), "library": "kvtier_client"})
+        except BaseException:
+            staging.close()
+            self._transport.reset()
+            raise
+        staging.unlink()  # the daemon maps it now; nothing may outlive both processes
+        self._staging = staging
+        self._limits = header["limits"]
+        self.session_id = header["session"]
+
+    def _staging_tensor(self) -> torch.Tensor:
+        assert self._staging is not None, "no session"
+        return self._staging.tensor
+
+    def _abandon_session(self) -> None:
+        self._transport.reset()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        self.session_id = None
+
+    def _call(self, op: Op, prepare: Any = None, **fields: Any) -> tuple[dict, list]:
+        """One request in a live session; ``prepare()`` (e.g. a gather into staging) runs first.
+
+        If the daemon forgot the session (it restarted), greet it again with a new staging buffer
+        and redo both steps once.
+        """
+        for attempt in (0, 1):
+            self._ensure_session()
+            self._last_call = time.monotonic()
+            if prepare is not None:
+                prepare()
+            try:
+                return self._transport.call(op, **fields)
+            except DaemonError as exc:
+                if exc.status != Status.NO_SESSION or attempt:
+                    raise
+                log.info("kvtierd lost session %s (restarted?); greeting it again",
+                         self.session_id)
+                self._abandon_session()
+        raise AssertionError("unreachable")
+
+    def _batches(self, chunks: list[Chunk]) -> list[list[tuple[Chunk, int]]]:
+        """Split chunks into staging-sized batches of (chunk, staging offset)."""
+        batches: list[list[tuple[Chunk, int]]] = []
+        current: list[tuple[Chunk, int]] = []
+        offset = 0
+        max_batch = self._limits.get("max_batch", 1024)
+        for chunk in chunks:
+            nbytes = self.layout.chunk_nbytes(chunk.group)
+            if current and (align(offset) + nbytes > self.staging_bytes or len(current) >= max_batch):
+                batches.append(current)
+                current, offset = [], 0
+            start = align(offset)
+            current.append((chunk, start))
+            offset = start + nbytes
+        if current:
+            batches.append(current)
+        return batches
+
+    def _units(self, batch: list[tuple[Chunk, int]]) -> list[CopyUnit]:
+        return [CopyUnit(c.group, tuple(c.block_ids), off) for c, off in batch]
+
+    def _items(self, batch: list[tuple[Chunk, int]]) -> list[list]:
+        return [[c.key, off, self.layout.chunk_nbytes(c.group)] for c, off in batch]
+
+    def _store(self, chunks: list[Chunk]) -> list[bool]:
+        out: list[bool] = []
+        for batch in self._batches(chunks):
+            units = self._units(batch)
+            header, _ = self._call(Op.PUT, lambda: gather(self._tables, units, self._staging_tensor()),
+                                   items=self._items(batch))
+            out.extend(status in STORED for status in header["results"])
+        return out
+
+    def _load(self, chunks: list[Chunk]) -> list[bool]:
+        out: list[bool] = []
+        for batch in self._batches(chunks):
+            header, _ = self._call(Op.GET, items=self._items(batch))
+            hits = [status == Status.OK for status in header["results"]]
+            scatter(self._tables, [u for u, hit in zip(self._units(batch), hits) if hit],
+                    self._staging_tensor())
+            out.extend(hits)
+        return out
+
+    def _lookup(self, chunks: list[Chunk], lease: bool) -> list[bool]:
+        out: list[bool] = []
+        step = self._limits.get("max_batch", 1024)
+        for i in range(0, len(chunks), step):
+            header, _ = self._call(Op.LOOKUP, keys=[c.key for c in chunks[i:i + step]], lease=lease)
+            out.extend(tier != Tier.NONE for tier in header["tiers"])
+        return out
+
+    def _delete(self, chunks: list[Chunk]) -> list[bool]:
+        out: list[bool] = []
+        step = self._limits.get("max_batch", 1024)
+        for i in range(0, len(chunks), step):
+            header, _ = self._call(Op.DELETE, keys=[c.key for c in chunks[i:i + step]])
+            out.extend(status == Status.OK for status in header["results"])
+        return out
+
+    def _bye(self) -> None:
+        if self._staging is not None:
+            try:
+                self._transport.call(Op.BYE)
+            except (DaemonUnavailable, DaemonError) as exc:
+                log.debug("BYE not answered: %s", exc)
+        self._abandon_session()
+        self._transport.close()
+
+    def _beat(self, period_s: float) -> None:
+        """Keep the session alive while the engine is idle (the daemon reaps silent sessions)."""
+        while not self._closed.wait(period_s):
+            if time.monotonic() - self._last_call < period_s:
+                continue
+            try:
+                self._executor.submit(self._ping)
+            except RuntimeError:
+                return  # executor shut down: closing
+
+    def _ping(self) -> None:
+        if self._closed.is_set() or self._staging is None:
+            return
+        try:
+            self._call(Op.PING)
+        except (DaemonUnavailable, DaemonError) as exc:
+            log.warning("kvtierd heartbeat failed: %s", exc)
+            self._abandon_session()

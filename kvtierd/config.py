@@ -1,0 +1,272 @@
+"""The daemon's one typed, frozen configuration, loaded once and validated at start.
+
+Precedence: command-line flag > ``KVTIERD_<KEY>`` environment variable > TOML file > default.
+Every key of the TOML file is a field name below; every invalid value fails at start with the key,
+the value and what is allowed. Defaults run on any laptop: a small CPU tier and an ipc socket in a
+private runtime directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvtierd.sizes import parse_size
+
+ENV_PREFIX = "KVTIERD_"
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value: names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        super().__init__(f"config key {key!r}: invalid value {value!r}; allowed: {allowed}")
+        self.key = key
+
+
+def default_runtime_dir() -> Path:
+    """A private directory for the socket: $XDG_RUNTIME_DIR/kvtierd, else /tmp/kvtierd-<uid>."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base:
+        return Path(base) / "kvtierd"
+    return Path(f"/tmp/kvtierd-{os.getuid()}")
+
+
+def default_socket() -> str:
+    return f"ipc://{default_runtime_dir() / 'kvtierd.sock'}"
+
+
+@dataclass(frozen=True)
+class Config:
+    # ZeroMQ endpoint of the ROUTER socket: ipc://PATH (default) or tcp://HOST:PORT (loopback only
+    # unless allow_remote). A bare path means ipc://PATH.
+    socket: str = field(default_factory=default_socket)
+    # Capacity of the pinned-CPU tier (the shared-memory arena).
+    cpu_bytes: int = 512 * 1024**2
+    # Allocation unit of the arena; a chunk spans ceil(nbytes / page_bytes) pages, not necessarily
+    # contiguous. Multiple of 4096 so that the NVMe tier can do O_DIRECT I/O with the same pages.
+    page_bytes: int = 64 * 1024
+    # Name of the arena file under /dev/shm; empty = "kvtierd-<pid>" (private, removed at exit).
+    arena_name: str = ""
+    # Touch every arena page at start: the first touch of fresh shm pages runs at ~1 GB/s, which
+    # would otherwise land on the first PUTs.
+    prefault: bool = True
+    # Try to mlock the arena (needs RLIMIT_MEMLOCK); a refusal is a warning, not an error.
+    mlock: bool = True
+    # Eviction starts when used bytes pass high_watermark * capacity and stops at low_watermark.
+    high_watermark: float = 0.95
+    low_watermark: float = 0.90
+    # Name of the eviction policy (see kvtierd.eviction.POLICIES).
+    eviction_policy: str = "lru"
+    # A LOOKUP lease keeps a chunk from eviction until its GET or this many seconds pass.
+    lease_timeout_s: float = 30.0
+    # A session that sends nothing (not even a PING) for this long is dead: its reservations are
+    # aborted and its leases released.
+    session_timeout_s: float = 30.0
+    # host:port of the Prometheus /metrics exporter; "off" disables it.
+    metrics_addr: str = "127.0.0.1:9464"
+    # Largest header frame the daemon decodes (larger ones are answered TOO_LARGE).
+    max_header_bytes: int = 1024**2
+    # Largest frame ZeroMQ accepts at all; above it libzmq drops the connection (cannot be answered).
+    max_frame_bytes: int = 512 * 1024**2
+    # Largest inline payload frame (sessions without shared staging); answered TOO_LARGE above it.
+    max_inline_bytes: int = 256 * 1024**2
+    # Most items (keys) in one LOOKUP/PUT/GET/DELETE.
+    max_batch: int = 8192
+    # Threads that copy bytes between staging buffers and tiers (memcpy releases the GIL).
+    copy_threads: int = 2
+    # If non-empty, HELLO must carry this token.
+    auth_token: str = ""
+    # Accept a tcp:// socket on a non-loopback address.
+    allow_remote: bool = False
+    # Python logging level name.
+    log_level: str = "INFO"
+
+    @property
+    def cpu_pages(self) -> int:
+        return self.cpu_bytes // self.page_bytes
+
+    @property
+    def ipc_path(self) -> Path | None:
+        return Path(self.socket[len("ipc://") :]) if self.socket.startswith("ipc://") else None
+
+    def resolved_arena_name(self) -> str:
+        return self.arena_name or f"kvtierd-{os.getpid()}"
+
+    def public_dict(self) -> dict[str, Any]:
+        """The config as plain values, with the auth token masked (for logs and check-config)."""
+        data = dataclasses.asdict(self)
+        if data["auth_token"]:
+            data["auth_token"] = "***"
+        return data
+
+
+_SIZE_KEYS = {
+    "cpu_bytes",
+    "page_bytes",
+    "max_header_bytes",
+    "max_frame_bytes",
+    "max_inline_bytes",
+}
+_FIELD_TYPES = {f.name: f.type for f in fields(Config)}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    kind = _FIELD_TYPES[key]
+    try:
+        if key in _SIZE_KEYS:
+            return parse_size(value)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError
+        return str(value)
+    except ValueError as exc:
+        detail = str(exc) if key in _SIZE_KEYS else f"a {kind}"
+        raise ConfigError(key, value, detail) from None
+
+
+def _validate(cfg: Config) -> None:
+    from kvtierd.eviction import POLICIES  # local: keeps config importable without tier modules
+
+    if cfg.page_bytes <= 0 or cfg.page_bytes % 4096:
+        raise ConfigError("page_bytes", cfg.page_bytes, "a positive multiple of 4096 bytes")
+    if cfg.cpu_bytes < cfg.page_bytes:
+        raise ConfigError("cpu_bytes", cfg.cpu_bytes, f"at least page_bytes ({cfg.page_bytes})")
+    if cfg.cpu_bytes % cfg.page_bytes:
+        raise ConfigError(
+            "cpu_bytes", cfg.cpu_bytes, f"a multiple of page_bytes ({cfg.page_bytes})"
+        )
+    if not 0.0 < cfg.low_watermark <= cfg.high_watermark <= 1.0:
+        raise ConfigError(
+            "low_watermark/high_watermark",
+            (cfg.low_watermark, cfg.high_watermark),
+            "0 < low_watermark <= high_watermark <= 1",
+        )
+    if cfg.eviction_policy not in POLICIES:
+        raise ConfigError("eviction_policy", cfg.eviction_policy, ", ".join(sorted(POLICIES)))
+    for key in ("lease_timeout_s", "session_timeout_s"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(key, getattr(cfg, key), "a positive number of seconds")
+    for key in ("max_batch", "copy_threads", "max_header_bytes", "max_inline_bytes"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(key, getattr(cfg, key), "a positive integer")
+    if cfg.max_frame_bytes < max(cfg.max_inline_bytes, cfg.max_header_bytes):
+        raise ConfigError(
+            "max_frame_bytes", cfg.max_frame_bytes, "at least max_inline_bytes and max_header_bytes"
+        )
+    if "/" in cfg.arena_name or cfg.arena_name.startswith("."):
+        raise ConfigError("arena_name", cfg.arena_name, "a file name without '/' (under /dev/shm)")
+    _validate_socket(cfg)
+    _validate_metrics_addr(cfg.metrics_addr)
+    import logging
+
+    if not isinstance(logging.getLevelName(cfg.log_level.upper()), int):
+        raise ConfigError("log_level", cfg.log_level, "DEBUG, INFO, WARNING, ERROR")
+
+
+def _validate_socket(cfg: Config) -> None:
+    if cfg.socket.startswith("ipc://"):
+        if len(cfg.socket) <= len("ipc://"):
+            raise ConfigError("socket", cfg.socket, "ipc://PATH with a non-empty path")
+        return
+    if not cfg.socket.startswith("tcp://"):
+        raise ConfigError("socket", cfg.socket, "ipc://PATH, tcp://HOST:PORT or a plain path")
+    host, _, port = cfg.socket[len("tcp://") :].rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or not host:
+        raise ConfigError("socket", cfg.socket, "tcp://HOST:PORT")
+    if cfg.allow_remote:
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ConfigError(
+            "socket", cfg.socket, "a loopback tcp address (127.0.0.1, ::1) unless allow_remote"
+        )
+
+
+def _validate_metrics_addr(addr: str) -> None:
+    if addr == "off":
+        return
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError("metrics_addr", addr, "HOST:PORT (port 0 picks a free one) or 'off'")
+
+
+def _normalise(data: dict[str, Any]) -> dict[str, Any]:
+    sock = data.get("socket")
+    if isinstance(sock, str) and "://" not in sock:
+        data["socket"] = f"ipc://{os.path.abspath(sock)}"
+    if "log_level" in data:
+        data["log_level"] = str(data["log_level"]).upper()
+    return data
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("config", str(path), "an existing TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", str(path), f"valid TOML ({exc})") from None
+    # A [kvtierd] table is accepted so that the daemon's keys can share a file with other tools.
+    if isinstance(data.get("kvtierd"), dict):
+        data = data["kvtierd"]
+    return data
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Merge file, environment and flags (in rising precedence) into a validated Config."""
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    sources: list[tuple[str, Mapping[str, Any]]] = []
+    if path is not None:
+        sources.append(("file", read_toml(path)))
+    sources.append(
+        (
+            "env",
+            {
+                k[len(ENV_PREFIX) :].lower(): v
+                for k, v in env.items()
+                if k.startswith(ENV_PREFIX) and k != ENV_PREFIX + "CONFIG"
+            },
+        )
+    )
+    sources.append(("flag", {k: v for k, v in (overrides or {}).items() if v is not None}))
+    for origin, values in sources:
+        for key, value in values.items():
+            if key not in _FIELD_TYPES:
+                name = ENV_PREFIX + key.upper() if origin == "env" else key
+                raise ConfigError(name, value, "one of " + ", ".join(sorted(_FIELD_TYPES)))
+            merged[key] = _coerce(key, value)
+    cfg = Config(**_normalise(merged))
+    _validate(cfg)
+    return cfg

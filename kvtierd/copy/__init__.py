@@ -1,0 +1,1 @@
+"""Moving bytes between client staging buffers and tiers, off the request loop."""

@@ -1,0 +1,105 @@
+"""Prometheus metrics of one daemon, on a private registry served by prometheus-client's exporter.
+
+Names carry units (``_bytes``, ``_seconds``, ``_total``); labels are bounded enums (op, status,
+tier, direction, reason), never keys or session ids. Tier gauges are read from the tier's running
+totals at scrape time, so they cost nothing on the request path.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+# Request latencies span ~20 µs (PING) to ~100 ms (large batches).
+LATENCY_BUCKETS = (
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
+    1.0,
+)
+
+
+class TierCollector(Collector):
+    """Exports a tier's capacity, usage, chunk counts and eviction counters at scrape time."""
+
+    def __init__(self, tiers: Callable[[], Iterable[tuple[str, dict[str, int]]]]) -> None:
+        self._tiers = tiers
+
+    def collect(self):
+        capacity = GaugeMetricFamily(
+            "kvtierd_tier_capacity_bytes", "Configured capacity of a tier", labels=["tier"]
+        )
+        used = GaugeMetricFamily(
+            "kvtierd_tier_used_bytes", "Bytes allocated in a tier (committed + pending)",
+            labels=["tier"],
+        )
+        chunks = GaugeMetricFamily(
+            "kvtierd_tier_chunks", "Chunks in a tier by state", labels=["tier", "state"]
+        )
+        evictions = CounterMetricFamily(
+            "kvtierd_evictions", "Chunks evicted from a tier", labels=["tier"]
+        )
+        for name, stats in self._tiers():
+            capacity.add_metric([name], stats["capacity_bytes"])
+            used.add_metric([name], stats["used_bytes"])
+            chunks.add_metric([name, "ready"], stats["chunks"])
+            chunks.add_metric([name, "pending"], stats["pending_chunks"])
+            evictions.add_metric([name], stats.get("evictions", 0))
+        yield from (capacity, used, chunks, evictions)
+
+
+class DaemonMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvtierd_requests", "Requests answered, by op and status", ["op", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "kvtierd_request_duration_seconds", "Time from request received to reply sent",
+            ["op"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.hits = Counter("kvtierd_hits", "Chunk hits (LOOKUP and GET) by tier", ["tier"], registry=r)
+        self.misses = Counter(
+            "kvtierd_misses", "Chunk misses (LOOKUP and GET) by reason", ["reason"], registry=r
+        )
+        self.bytes = Counter(
+            "kvtierd_bytes", "Payload bytes moved, by direction and tier", ["direction", "tier"],
+            registry=r,
+        )
+        self.integrity_failures = Counter(
+            "kvtierd_integrity_failures", "Chunks dropped because a check failed", ["tier"],
+            registry=r,
+        )
+        self.sessions = Gauge("kvtierd_sessions", "Client sessions alive", registry=r)
+        self.sessions_closed = Counter(
+            "kvtierd_sessions_closed", "Client sessions ended, by reason", ["reason"], registry=r
+        )
+        self.info = Gauge(
+            "kvtierd_info", "Daemon build information", ["version", "protocol"], registry=r
+        )
+        self._server = None
+
+    def add_tiers(self, tiers: Callable[[], Iterable[tuple[str, dict[str, int]]]]) -> None:
+        self.registry.register(TierCollector(tiers))
+
+    def serve(self, addr: str) -> tuple[str, int] | None:
+        """Start the /metrics HTTP exporter on ``host:port``; return the bound address."""
+        if addr == "off":
+            return None
+        host, _, port = addr.rpartition(":")
+        host = host.strip("[]")
+        self._server, _thread = start_http_server(int(port), addr=host, registry=self.registry)
+        bound = self._server.server_address[:2]
+        log.info("metrics at http://%s:%d/metrics", bound[0], bound[1])
+        return bound[0], bound[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,148 @@
+"""The kvtierd wire protocol: the one module the daemon and the client both import.
+
+Framing (ZeroMQ, ROUTER in the daemon, DEALER in each client)::
+
+    client -> daemon:  [header] [payload ...]
+    daemon -> client:  [header] [payload ...]
+
+(the ROUTER adds/strips the routing-id frame). ``header`` is a msgpack map. Every request header has
+``v`` (``PROTOCOL_VERSION``, versioned apart from the package), ``op`` (an ``Op`` number) and ``id``
+(an int the reply echoes). Every reply has one envelope: ``v``, ``id``, ``status`` (a ``Status``
+number, 0 = OK), ``name`` (the status name) and ``message`` (human-readable, empty on success), plus
+the op's own fields. Every request gets a reply, including malformed ones that still carry a routing id.
+
+Payload frames are only used by sessions that registered no shared staging buffer (``inline``):
+PUT then carries one frame per item, and a GET reply one frame per item (empty for a miss).
+
+Compatibility rules: op and status numbers are explicit and never reused once retired; fields are only
+appended; a daemon answers an unknown ``v`` with ``UNSUPPORTED_VERSION`` naming what it speaks.
+
+Per-op fields (request -> reply):
+
+* HELLO ``namespace: str, rank: int, fingerprint: str, staging: {kind, ...}, token?: str,
+  client?: map`` -> ``session: int, page_bytes: int, limits: map, daemon: str``.
+  ``staging`` is ``{"kind": "shm", "name": str, "nbytes": int}`` (a file in /dev/shm created by the
+  client) or ``{"kind": "inline"}``.
+* PING -> ``{}`` (also a session heartbeat).
+* LOOKUP ``keys: [bytes], lease: bool`` -> ``tiers: [int]`` (``Tier`` per key, 0 = miss).
+* PUT ``items: [[key, offset, nbytes], ...]`` -> ``results: [int]`` (``Status`` per item; ``EXISTS``
+  means the key was already stored by the same layout and nothing was copied).
+* GET ``items: [[key, offset, nbytes], ...]`` -> ``results: [int]`` (``OK`` or why it is a miss).
+* DELETE ``keys: [bytes]`` -> ``results: [int]``.
+* STATS -> ``stats: map`` (tiers, chunks, counters; what ``kvtierd stats`` prints).
+* BYE -> ``{}``; the session's reservations are aborted and its leases released.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+#: Longest chunk key the daemon accepts (DESIGN.md: chunk hashes are opaque bytes, at most 64).
+MAX_KEY_BYTES = 64
+
+
+class Op(enum.IntEnum):
+    """Request kinds. Numbers are wire values: append only, never renumber or reuse."""
+
+    HELLO = 1
+    PING = 2
+    LOOKUP = 3
+    PUT = 4
+    GET = 5
+    DELETE = 6
+    STATS = 7
+    BYE = 8
+
+
+class Status(enum.IntEnum):
+    """Reply and per-item status codes. Numbers are wire values: append only, never reuse."""
+
+    OK = 0
+    BAD_MESSAGE = 1  # frame is not a msgpack map / lacks v, op or id
+    UNSUPPORTED_VERSION = 2
+    UNKNOWN_OP = 3
+    NO_SESSION = 4  # op needs a HELLO first (or the session expired)
+    BAD_REQUEST = 5  # a field is missing or has the wrong type or value
+    TOO_LARGE = 6  # frame, batch or chunk above a documented limit
+    KEY_TOO_LONG = 7
+    OUT_OF_BOUNDS = 8  # offset/nbytes outside the registered staging buffer
+    BAD_HANDLE = 9  # staging handle cannot be opened or is not what it claims
+    MISS = 10
+    NO_SPACE = 11  # tier full of chunks that cannot be evicted (pending, leased, being read)
+    LAYOUT_MISMATCH = 12  # stored chunk was written by another layout fingerprint
+    SIZE_MISMATCH = 13  # stored chunk has another size than the reader expects
+    AUTH_FAILED = 14
+    EXISTS = 15  # PUT of a key already stored (same layout): a successful no-op
+    BUSY = 16  # PUT of a key whose first PUT is still in flight
+    INTERNAL = 17  # a bug: logged with a traceback, the daemon keeps serving
+    SHUTTING_DOWN = 18
+    CHECKSUM_MISMATCH = 19  # stored bytes no longer match their checksum: dropped, a miss
+
+
+#: Per-item PUT statuses a client may count as "the chunk is stored".
+STORED = frozenset({Status.OK, Status.EXISTS})
+
+
+class Tier(enum.IntEnum):
+    """Where a chunk lives; LOOKUP answers with these. 0 is a miss."""
+
+    NONE = 0
+    CPU = 1
+    NVME = 2
+
+
+class ProtocolError(Exception):
+    """A request the daemon refuses as a whole; becomes an error reply with this status."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def pack(header: dict[str, Any]) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def unpack(frame: bytes, max_bytes: int) -> dict[str, Any]:
+    """Decode a header frame, refusing anything that is not a bounded msgpack map."""
+    if len(frame) > max_bytes:
+        raise ProtocolError(
+            Status.TOO_LARGE, f"header frame is {len(frame)} bytes; the limit is {max_bytes}"
+        )
+    try:
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(Status.BAD_MESSAGE, f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(
+            Status.BAD_MESSAGE, f"header must be a msgpack map, got {type(header).__name__}"
+        )
+    return header
+
+
+def request(op: Op, request_id: int, **fields: Any) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "op": int(op), "id": request_id, **fields}
+
+
+def reply(request_id: Any, status: Status = Status.OK, message: str = "", **fields: Any) -> dict:
+    return {
+        "v": PROTOCOL_VERSION,
+        "id": request_id,
+        "status": int(status),
+        "name": status.name,
+        "message": message,
+        **fields,
+    }
+
+
+def status_name(code: int) -> str:
+    try:
+        return Status(code).name
+    except ValueError:
+        return f"UNKNOWN_STATUS_{code}"

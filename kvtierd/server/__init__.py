@@ -1,0 +1,1 @@
+"""The daemon's request loop: one ROUTER socket, sessions, op handlers."""

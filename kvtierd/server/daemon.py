@@ -1,0 +1,321 @@
+"""The daemon process: one ROUTER socket and one loop thread that owns all tier and session state.
+
+The loop polls three things: the ROUTER socket (requests), the copy engine's eventfd (copies that
+completed on copy threads) and the socket monitor (peer disconnects). Nothing else touches the tier,
+so it needs no locks; bytes move on copy threads that only see addresses.
+
+Peer death is detected twice: a session silent for ``session_timeout_s`` is closed, and on every
+ZeroMQ disconnect event the loop probes each session's routing id with an ``id: 0`` notice under
+ROUTER_MANDATORY; a peer that is gone answers EHOSTUNREACH at once and its session is closed.
+(libzmq's ROUTER_NOTIFY would say which peer left, but it is a draft option that the released wheels
+do not build.)
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import socket as pysocket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvtierd import __version__
+from kvtierd.config import Config
+from kvtierd.copy.engine import CopyEngine
+from kvtierd.metrics import DaemonMetrics
+from kvtierd.protocol import (
+    PROTOCOL_VERSION,
+    Op,
+    ProtocolError,
+    Status,
+    pack,
+    reply,
+    unpack,
+)
+from kvtierd.server.handlers import OpHandlers
+from kvtierd.server.sessions import SessionTable
+from kvtierd.tiers.arena import Arena
+from kvtierd.tiers.cpu import CpuTier
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.1  # housekeeping period: session and lease expiry, watermarks
+DRAIN_MAX = 256  # requests handled per poll wake-up before housekeeping gets a turn
+PROBE_DELAYS_S = (0.0, 0.2, 1.0)  # a disconnect is probed at once and again, as pipes close late
+NOTICE = pack(reply(0, Status.OK, notice="probe"))
+NEEDS_SESSION = {Op.LOOKUP, Op.PUT, Op.GET, Op.DELETE, Op.BYE}
+LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
+
+
+class AlreadyServing(RuntimeError):
+    pass
+
+
+class Daemon:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.metrics = DaemonMetrics()
+        self.metrics.info.labels(__version__, str(PROTOCOL_VERSION)).set(1)
+        started = time.perf_counter()
+        self.arena = Arena(
+            cfg.resolved_arena_name(), cfg.cpu_bytes, prefault=cfg.prefault, lock=cfg.mlock
+        )
+        log.info(
+            "arena /dev/shm/%s: %d bytes mapped in %.2f s (prefault=%s, mlocked=%s)",
+            self.arena.name, cfg.cpu_bytes, time.perf_counter() - started, cfg.prefault,
+            self.arena.locked,
+        )
+        self.tier = CpuTier(
+            self.arena, cfg.page_bytes, policy=cfg.eviction_policy,
+            high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
+        )
+        self.metrics.add_tiers(lambda: [(self.tier.name, self.tier.stats())])
+        self.engine = CopyEngine(cfg.copy_threads)
+        self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s)
+        self.handlers = OpHandlers(
+            cfg, self.tier, self.sessions, self.engine, self.metrics, self._send
+        )
+        self._dispatch: dict[Op, Callable[..., Any]] = {
+            Op.PING: self.handlers.ping,
+            Op.STATS: self.handlers.stats,
+            Op.LOOKUP: self.handlers.lookup,
+            Op.PUT: self.handlers.put,
+            Op.GET: self.handlers.get,
+            Op.DELETE: self.handlers.delete,
+            Op.BYE: self.handlers.bye,
+        }
+        self._stop = threading.Event()
+        self._probes: list[float] = []
+        self.ctx: zmq.Context | None = None
+        self.socket: zmq.Socket | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def request_stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def serve(self, on_ready: Callable[[], None] | None = None) -> None:
+        try:
+            self._bind()
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self.request_stop)
+                signal.signal(signal.SIGINT, self.request_stop)
+            addr = self.metrics.serve(self.cfg.metrics_addr)
+            self.handlers.metrics_address = f"http://{addr[0]}:{addr[1]}/metrics" if addr else ""
+            log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes)",
+                     __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
+                     self.cfg.page_bytes)
+            if on_ready is not None:
+                on_ready()
+            self._loop()
+        finally:
+            self._shutdown()
+
+    def _bind(self) -> None:
+        path = self.cfg.ipc_path
+        if path is not None:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _claim_ipc_path(path)
+        self.ctx = zmq.Context()
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.setsockopt(zmq.RCVHWM, 10000)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.bind(self.cfg.socket)
+        self.socket = sock
+
+    def _loop(self) -> None:
+        assert self.socket is not None
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.engine.wake_fd, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        next_tick = time.monotonic() + TICK_S
+        while not self._stop.is_set():
+            timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
+            events = dict(poller.poll(timeout_ms))
+            if self.engine.wake_fd in events:
+                self._drain_completions()
+            if self.socket in events:
+                self._drain_requests()
+            if self.monitor in events:
+                self._drain_monitor()
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + TICK_S
+                self._housekeeping(now)
+
+    def _drain_requests(self) -> None:
+        assert self.socket is not None
+        for _ in range(DRAIN_MAX):
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _drain_completions(self) -> None:
+        for context, result, error in self.engine.completions():
+            try:
+                self.handlers.on_copy_done(context, result, error)
+            except Exception:
+                log.exception("completing a copy failed")
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                now = time.monotonic()
+                self._probes.extend(now + delay for delay in PROBE_DELAYS_S)
+                self._probe_sessions()
+
+    def _probe_sessions(self) -> None:
+        assert self.socket is not None
+        for session in list(self.sessions.by_identity.values()):
+            try:
+                self.socket.send_multipart([session.identity, NOTICE], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EHOSTUNREACH:
+                    self._close_session(session, "disconnected")
+
+    def _housekeeping(self, now: float) -> None:
+        due = [t for t in self._probes if t <= now]
+        if due:
+            self._probes = [t for t in self._probes if t > now]
+            self._probe_sessions()
+        for session in self.sessions.expire(now):
+            self.metrics.sessions_closed.labels("timeout").inc()
+        self.metrics.sessions.set(len(self.sessions))
+        self.tier.enforce_watermarks()
+
+    def _close_session(self, session: Any, reason: str) -> None:
+        self.sessions.close(session, reason)
+        self.metrics.sessions_closed.labels(reason).inc()
+        self.metrics.sessions.set(len(self.sessions))
+
+    def _shutdown(self) -> None:
+        log.info("kvtierd stopping")
+        deadline = time.monotonic() + 10.0
+        while self.engine.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self._drain_completions()
+        self.sessions.close_all("daemon stopping")
+        self.engine.close()
+        if self.socket is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
+            self.socket.close(linger=0)
+            if self.cfg.ipc_path is not None:
+                self.cfg.ipc_path.unlink(missing_ok=True)
+        if self.ctx is not None:
+            self.ctx.term()
+        self.metrics.close()
+        self.arena.close(unlink=True)
+        log.info("kvtierd stopped")
+
+    # -- requests --------------------------------------------------------------------------------
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        started = time.perf_counter()
+        request_id: Any = None
+        op_label = "invalid"
+        try:
+            if len(frames) < 2:
+                raise ProtocolError(Status.BAD_MESSAGE, "message has no header frame")
+            if len(frames) > self.cfg.max_batch + 2:
+                raise ProtocolError(
+                    Status.TOO_LARGE,
+                    f"message has {len(frames)} frames; the limit is max_batch + 1 "
+                    f"({self.cfg.max_batch + 1})",
+                )
+            header = unpack(frames[1].bytes, self.cfg.max_header_bytes)
+            request_id = header.get("id")
+            op = self._check_envelope(header)
+            op_label = op.name.lower()
+            result = self._run(op, identity, header, [f.buffer for f in frames[2:]])
+            if result is None:
+                return  # copies in flight: answered by OpHandlers.finish
+            fields, out = result if isinstance(result, tuple) else (result, [])
+            self._send(identity, reply(request_id, Status.OK, **fields), out)
+            status_label = "OK"
+        except ProtocolError as exc:
+            self._send(identity, reply(request_id, exc.status, exc.message), [])
+            status_label = exc.status.name
+        except Exception as exc:
+            log.exception("internal error handling %s", op_label)
+            self._send(identity, reply(request_id, Status.INTERNAL, f"internal error: {exc}"), [])
+            status_label = Status.INTERNAL.name
+        self.metrics.requests.labels(op_label, status_label).inc()
+        self.metrics.latency.labels(op_label).observe(time.perf_counter() - started)
+
+    def _check_envelope(self, header: dict) -> Op:
+        version = header.get("v")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                Status.UNSUPPORTED_VERSION,
+                f"protocol version {version!r} is not supported; this daemon speaks "
+                f"{PROTOCOL_VERSION}",
+            )
+        if not isinstance(header.get("id"), int) or isinstance(header.get("id"), bool):
+            raise ProtocolError(Status.BAD_MESSAGE, f"request id {header.get('id')!r} is not an int")
+        try:
+            return Op(header.get("op"))
+        except ValueError:
+            raise ProtocolError(
+                Status.UNKNOWN_OP,
+                f"op {header.get('op')!r} is unknown; known: "
+                + ", ".join(f"{o.value} ({o.name})" for o in Op),
+            ) from None
+
+    def _run(self, op: Op, identity: bytes, header: dict, payload: list) -> Any:
+        if op is Op.HELLO:
+            return self.handlers.hello(identity, header, payload)
+        session = self.sessions.get(identity)
+        if session is None and op in NEEDS_SESSION:
+            raise ProtocolError(
+                Status.NO_SESSION, f"{op.name} needs a session: send HELLO first (or again)"
+            )
+        return self._dispatch[op](session, header, payload)
+
+    def _send(self, identity: bytes, header: dict, frames: list) -> None:
+        assert self.socket is not None
+        parts = [identity, pack(header), *frames]
+        copy = not any(len(f) > LARGE_FRAME for f in frames)
+        try:
+            self.socket.send_multipart(parts, zmq.NOBLOCK, copy=copy)
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                log.debug("reply to a peer that is gone dropped")
+            elif exc.errno == errno.EAGAIN:
+                log.warning("reply dropped: the peer's queue is full (it does not read replies)")
+            else:
+                raise
+
+
+def _claim_ipc_path(path: Path) -> None:
+    """Remove a stale socket file left by a dead daemon; refuse to steal a live one."""
+    if not path.exists():
+        return
+    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        path.unlink(missing_ok=True)
+        return
+    except OSError as exc:
+        raise AlreadyServing(f"{path} exists and is not a usable socket: {exc}") from None
+    finally:
+        probe.close()
+    raise AlreadyServing(f"another kvtierd is already serving at ipc://{path}")

@@ -1,0 +1,123 @@
+"""Client sessions: who may address which keys, through which staging buffer, until when.
+
+A session starts with HELLO and ends with BYE, a ZeroMQ disconnect of its peer, or silence longer
+than ``session_timeout_s``. Ending it aborts its PENDING reservations and releases its leases, so a
+``kill -9`` of a worker leaks nothing. Its staging buffer is unmapped once no copy uses it any more.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from kvtierd.staging import ShmStaging
+from kvtierd.tiers.chunk import ChunkEntry
+from kvtierd.tiers.cpu import CpuTier
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Session:
+    identity: bytes  # ZeroMQ routing id of the peer
+    namespace: str
+    rank: int
+    fingerprint: str
+    staging: ShmStaging | None  # None: inline payload frames
+    client: dict
+    id: int = field(default_factory=lambda: next(_ids))
+    last_seen: float = field(default_factory=time.monotonic)
+    # ikey -> (leased entry, expiry on the monotonic clock)
+    leases: dict[Hashable, tuple[ChunkEntry, float]] = field(default_factory=dict)
+    pending: set[ChunkEntry] = field(default_factory=set)  # reservations not yet committed
+    in_flight: int = 0  # copy jobs that still use the staging buffer
+    closed: bool = False
+
+    @property
+    def space(self) -> tuple[str, int]:
+        return (self.namespace, self.rank)
+
+    def ikey(self, key: bytes) -> tuple[tuple[str, int], bytes]:
+        return (self.space, key)
+
+
+class SessionTable:
+    def __init__(self, tier: CpuTier, timeout_s: float, lease_timeout_s: float) -> None:
+        self.tier = tier
+        self.timeout_s = timeout_s
+        self.lease_timeout_s = lease_timeout_s
+        self.by_identity: dict[bytes, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_identity)
+
+    def get(self, identity: bytes) -> Session | None:
+        session = self.by_identity.get(identity)
+        if session is not None:
+            session.last_seen = time.monotonic()
+        return session
+
+    def add(self, session: Session) -> None:
+        old = self.by_identity.get(session.identity)
+        if old is not None:
+            self.close(old, "rehello")
+        self.by_identity[session.identity] = session
+
+    # -- leases ----------------------------------------------------------------------------------
+    def lease(self, session: Session, entry: ChunkEntry) -> None:
+        expiry = time.monotonic() + self.lease_timeout_s
+        held = session.leases.get(entry.ikey)
+        if held is not None and held[0] is entry:
+            session.leases[entry.ikey] = (entry, expiry)
+            return
+        if held is not None:
+            self.tier.unpin(held[0])
+        self.tier.pin(entry)
+        session.leases[entry.ikey] = (entry, expiry)
+
+    def release_lease(self, session: Session, ikey: Hashable) -> None:
+        held = session.leases.pop(ikey, None)
+        if held is not None:
+            self.tier.unpin(held[0])
+
+    # -- ending ----------------------------------------------------------------------------------
+    def close(self, session: Session, reason: str) -> None:
+        """End ``session``: drop its leases; its in-flight reservations abort on completion."""
+        if session.closed:
+            return
+        session.closed = True
+        if self.by_identity.get(session.identity) is session:
+            del self.by_identity[session.identity]
+        for entry, _ in session.leases.values():
+            self.tier.unpin(entry)
+        session.leases.clear()
+        # Every reservation has its copy in flight (reserve and submit happen together); the loop
+        # aborts it when that copy completes and sees the session closed.
+        self.release_staging(session)
+        log.info("session %d (%s rank %d) closed: %s", session.id, session.namespace,
+                 session.rank, reason)
+
+    def release_staging(self, session: Session) -> None:
+        if session.closed and session.in_flight == 0 and session.staging is not None:
+            session.staging.close()
+
+    def expire(self, now: float | None = None) -> list[Session]:
+        """Close silent sessions and drop expired leases; return the sessions closed."""
+        now = time.monotonic() if now is None else now
+        dead = [s for s in self.by_identity.values() if now - s.last_seen > self.timeout_s]
+        for session in dead:
+            self.close(session, "heartbeat timeout")
+        for session in self.by_identity.values():
+            expired = [k for k, (_, expiry) in session.leases.items() if expiry <= now]
+            for ikey in expired:
+                self.release_lease(session, ikey)
+        return dead
+
+    def close_all(self, reason: str) -> None:
+        for session in list(self.by_identity.values()):
+            self.close(session, reason)

@@ -1,0 +1,1 @@
+"""Storage tiers. Tiers never import the server; the server drives them from its loop."""

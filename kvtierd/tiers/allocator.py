@@ -1,0 +1,91 @@
+"""Page-granular allocation of a tier as runs of contiguous pages.
+
+A chunk needs ``ceil(nbytes / page_bytes)`` pages that need not be contiguous: the allocator hands
+out as few runs as it can (first fit of one run, else the largest free runs), and copies move one
+run at a time, so fragmentation costs a few extra memcpy calls, never a failed PUT while free pages
+remain. Allocation returns ``None`` when not enough pages are free; the caller evicts and retries.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+Run = tuple[int, int]  # (first page, page count)
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self.free_pages = num_pages
+        # Free extents sorted by first page, never adjacent (free() coalesces).
+        self._starts: list[int] = [0]
+        self._lengths: list[int] = [num_pages]
+
+    def allocate(self, count: int) -> list[Run] | None:
+        if count <= 0:
+            raise ValueError(f"page count must be positive, got {count}")
+        if count > self.free_pages:
+            return None
+        for i, length in enumerate(self._lengths):
+            if length >= count:
+                return [self._take(i, count)]
+        runs: list[Run] = []
+        need = count
+        while need:
+            i = max(range(len(self._lengths)), key=self._lengths.__getitem__)
+            take = min(need, self._lengths[i])
+            runs.append(self._take(i, take))
+            need -= take
+        return runs
+
+    def _take(self, i: int, count: int) -> Run:
+        start = self._starts[i]
+        if self._lengths[i] == count:
+            del self._starts[i], self._lengths[i]
+        else:
+            self._starts[i] += count
+            self._lengths[i] -= count
+        self.free_pages -= count
+        return (start, count)
+
+    def free(self, runs: list[Run]) -> None:
+        for start, count in runs:
+            self._free_run(start, count)
+
+    def _free_run(self, start: int, count: int) -> None:
+        if count <= 0 or start < 0 or start + count > self.num_pages:
+            raise ValueError(f"run ({start}, {count}) is outside 0..{self.num_pages}")
+        i = bisect.bisect_left(self._starts, start)
+        prev_end = self._starts[i - 1] + self._lengths[i - 1] if i else -1
+        if prev_end > start or (i < len(self._starts) and self._starts[i] < start + count):
+            raise ValueError(f"double free of pages ({start}, {count})")
+        merge_prev = prev_end == start
+        merge_next = i < len(self._starts) and self._starts[i] == start + count
+        if merge_prev and merge_next:
+            self._lengths[i - 1] += count + self._lengths[i]
+            del self._starts[i], self._lengths[i]
+        elif merge_prev:
+            self._lengths[i - 1] += count
+        elif merge_next:
+            self._starts[i] = start
+            self._lengths[i] += count
+        else:
+            self._starts.insert(i, start)
+            self._lengths.insert(i, count)
+        self.free_pages += count
+
+    def free_runs(self) -> list[Run]:
+        return list(zip(self._starts, self._lengths))
+
+    def check_invariants(self) -> None:
+        total = 0
+        end = -1
+        for start, length in self.free_runs():
+            assert length > 0, f"empty free extent at {start}"
+            assert start > end, f"free extents overlap or touch at {start}"
+            end = start + length
+            total += length
+        assert end <= self.num_pages, f"free extent past the end: {end} > {self.num_pages}"
+        assert total == self.free_pages, f"free count {self.free_pages} != extents {total}"

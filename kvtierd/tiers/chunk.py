@@ -1,0 +1,63 @@
+"""What a tier knows about one chunk, and the states it moves through.
+
+Lifecycle: ``reserve`` creates a PENDING entry (pages allocated, invisible to lookups) →
+``commit`` makes it READY (visible, evictable) | ``abort`` frees it. A READY entry leaves by eviction
+or DELETE; if a reader still copies out of it at that moment it is *doomed*: gone from the index,
+its pages freed when the last reader releases it.
+
+``ref_count`` (copies in flight) and ``pin_count`` (LOOKUP leases) are kept apart: both block
+eviction, but only refs block freeing the pages of a deleted chunk.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from kvtierd.tiers.allocator import Run
+
+
+class ChunkState(enum.Enum):
+    PENDING = "pending"
+    READY = "ready"
+
+
+@dataclass(eq=False)
+class ChunkEntry:
+    ikey: Hashable  # (space, key): the index key; space = (namespace, rank)
+    fingerprint: str  # layout fingerprint of the writer; a reader must present the same
+    nbytes: int  # payload bytes (the pages hold ceil(nbytes / page_bytes) pages)
+    runs: list[Run]  # pages holding the payload, in payload order
+    owner: int  # session id of the writer while PENDING
+    state: ChunkState = ChunkState.PENDING
+    checksum: bytes = b""  # xxh3-128 of the payload, set at commit
+    ref_count: int = 0  # copies out of the pages in flight
+    pin_count: int = 0  # leases held by sessions
+    doomed: bool = False  # removed from the index while referenced
+    pages: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pages = sum(count for _, count in self.runs)
+
+    @property
+    def evictable(self) -> bool:
+        return (
+            self.state is ChunkState.READY
+            and not self.doomed
+            and self.ref_count == 0
+            and self.pin_count == 0
+        )
+
+
+def segments(runs: list[Run], nbytes: int, page_bytes: int) -> list[tuple[int, int]]:
+    """Byte ranges ``(offset, length)`` of a payload laid over ``runs``, in payload order."""
+    out: list[tuple[int, int]] = []
+    left = nbytes
+    for start, count in runs:
+        if left <= 0:
+            break
+        length = min(count * page_bytes, left)
+        out.append((start * page_bytes, length))
+        left -= length
+    return out

@@ -1,0 +1,238 @@
+"""The pinned-CPU tier: index, allocation, leases and eviction over one shared-memory arena.
+
+Primitives (all called from the daemon's request loop, never concurrently):
+
+* ``reserve(ikey, fingerprint, nbytes, owner)`` → PENDING entry | a refusal status
+* ``commit(entry, checksum)`` | ``abort(entry)``
+* ``lookup(ikey, fingerprint)`` → READY entry (touched) | MISS | LAYOUT_MISMATCH
+* ``acquire(entry)`` / ``release(entry)`` around every copy out of the arena
+* ``pin(entry)`` / ``unpin(entry)`` for leases
+* ``delete(ikey)``, ``enforce_watermarks()``, ``check_invariants()``
+
+Bytes are copied by the copy engine, outside this class; it only hands out byte ranges.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Callable, Hashable
+
+from kvtierd.eviction import make_policy
+from kvtierd.protocol import Status
+from kvtierd.tiers.allocator import PageAllocator
+from kvtierd.tiers.arena import Arena
+from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments
+
+log = logging.getLogger(__name__)
+
+
+class CpuTier:
+    name = "cpu"
+
+    def __init__(
+        self,
+        arena: Arena,
+        page_bytes: int,
+        *,
+        policy: str = "lru",
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.90,
+        on_evict: Callable[[ChunkEntry], None] | None = None,
+    ) -> None:
+        self.arena = arena
+        self.page_bytes = page_bytes
+        self.num_pages = arena.nbytes // page_bytes
+        self.capacity_bytes = self.num_pages * page_bytes
+        self.allocator = PageAllocator(self.num_pages)
+        self.policy = make_policy(policy)
+        self.high_pages = int(self.num_pages * high_watermark)
+        self.low_pages = int(self.num_pages * low_watermark)
+        self.on_evict = on_evict
+        self.index: dict[Hashable, ChunkEntry] = {}
+        self._doomed: set[ChunkEntry] = set()
+        self.counters: Counter[str] = Counter()
+        # Running totals, so that stats() and metric scrapes are O(1) however big the index.
+        self.ready_chunks = self.ready_pages = 0
+        self.pending_chunks = self.pending_pages = 0
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return (self.num_pages - self.allocator.free_pages) * self.page_bytes
+
+    def pages_for(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.page_bytes))
+
+    def segments(self, entry: ChunkEntry) -> list[tuple[int, int]]:
+        return segments(entry.runs, entry.nbytes, self.page_bytes)
+
+    # -- writes ----------------------------------------------------------------------------------
+    def reserve(
+        self, ikey: Hashable, fingerprint: str, nbytes: int, owner: int
+    ) -> tuple[Status, ChunkEntry | None]:
+        existing = self.index.get(ikey)
+        if existing is not None:
+            return self._existing_status(existing, fingerprint, nbytes), None
+        pages = self.pages_for(nbytes)
+        if pages > self.num_pages:
+            return Status.TOO_LARGE, None
+        runs = self.allocator.allocate(pages)
+        if runs is None:
+            self.evict(pages - self.allocator.free_pages)
+            runs = self.allocator.allocate(pages)
+            if runs is None:
+                self.counters["reserve_no_space"] += 1
+                return Status.NO_SPACE, None
+        entry = ChunkEntry(ikey=ikey, fingerprint=fingerprint, nbytes=nbytes, runs=runs, owner=owner)
+        self.index[ikey] = entry
+        self.pending_chunks += 1
+        self.pending_pages += pages
+        return Status.OK, entry
+
+    def _existing_status(self, entry: ChunkEntry, fingerprint: str, nbytes: int) -> Status:
+        if entry.fingerprint != fingerprint:
+            self.counters["layout_mismatch"] += 1
+            return Status.LAYOUT_MISMATCH
+        if entry.state is ChunkState.PENDING:
+            return Status.BUSY
+        if entry.nbytes != nbytes:
+            return Status.SIZE_MISMATCH
+        self.policy.touch(entry.ikey)
+        return Status.EXISTS
+
+    def commit(self, entry: ChunkEntry, checksum: bytes) -> None:
+        assert entry.state is ChunkState.PENDING and self.index.get(entry.ikey) is entry
+        entry.state = ChunkState.READY
+        entry.checksum = checksum
+        self.pending_chunks -= 1
+        self.pending_pages -= entry.pages
+        self.ready_chunks += 1
+        self.ready_pages += entry.pages
+        self.policy.insert(entry.ikey)
+        self.counters["commits"] += 1
+
+    def abort(self, entry: ChunkEntry) -> None:
+        assert entry.state is ChunkState.PENDING and self.index.get(entry.ikey) is entry
+        del self.index[entry.ikey]
+        self.allocator.free(entry.runs)
+        self.pending_chunks -= 1
+        self.pending_pages -= entry.pages
+        self.counters["aborts"] += 1
+
+    # -- reads -----------------------------------------------------------------------------------
+    def lookup(self, ikey: Hashable, fingerprint: str) -> tuple[Status, ChunkEntry | None]:
+        entry = self.index.get(ikey)
+        if entry is None or entry.state is not ChunkState.READY:
+            return Status.MISS, None
+        if entry.fingerprint != fingerprint:
+            self.counters["layout_mismatch"] += 1
+            return Status.LAYOUT_MISMATCH, None
+        self.policy.touch(ikey)
+        return Status.OK, entry
+
+    def acquire(self, entry: ChunkEntry) -> None:
+        entry.ref_count += 1
+
+    def release(self, entry: ChunkEntry) -> None:
+        assert entry.ref_count > 0, "release without acquire"
+        entry.ref_count -= 1
+        if entry.doomed and entry.ref_count == 0:
+            self._doomed.discard(entry)
+            self.allocator.free(entry.runs)
+
+    def pin(self, entry: ChunkEntry) -> None:
+        entry.pin_count += 1
+
+    def unpin(self, entry: ChunkEntry) -> None:
+        assert entry.pin_count > 0, "unpin without pin"
+        entry.pin_count -= 1
+
+    # -- removal ---------------------------------------------------------------------------------
+    def delete(self, ikey: Hashable) -> Status:
+        entry = self.index.get(ikey)
+        if entry is None:
+            return Status.MISS
+        if entry.state is ChunkState.PENDING:
+            return Status.BUSY
+        self._remove(entry)
+        self.counters["deletes"] += 1
+        return Status.OK
+
+    def _remove(self, entry: ChunkEntry) -> None:
+        del self.index[entry.ikey]
+        self.policy.remove(entry.ikey)
+        self.ready_chunks -= 1
+        self.ready_pages -= entry.pages
+        if entry.ref_count:
+            entry.doomed = True
+            self._doomed.add(entry)
+        else:
+            self.allocator.free(entry.runs)
+
+    def evict(self, pages_needed: int) -> int:
+        """Evict cold, unpinned, unreferenced chunks until ``pages_needed`` pages are freed."""
+        if pages_needed <= 0:
+            return 0
+        victims: list[ChunkEntry] = []
+        freed = 0
+        for ikey in self.policy.victims():
+            entry = self.index[ikey]
+            if not entry.evictable:
+                continue
+            victims.append(entry)
+            freed += entry.pages
+            if freed >= pages_needed:
+                break
+        for entry in victims:
+            self._remove(entry)
+            self.counters["evictions"] += 1
+            if self.on_evict is not None:
+                self.on_evict(entry)
+        return freed
+
+    def enforce_watermarks(self) -> int:
+        used = self.num_pages - self.allocator.free_pages
+        if used <= self.high_pages:
+            return 0
+        return self.evict(used - self.low_pages)
+
+    # -- introspection ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "committed_bytes": self.ready_pages * self.page_bytes,
+            "pending_bytes": self.pending_pages * self.page_bytes,
+            "chunks": self.ready_chunks,
+            "pending_chunks": self.pending_chunks,
+            "doomed_chunks": len(self._doomed),
+            **{k: v for k, v in self.counters.items()},
+        }
+
+    def check_invariants(self) -> None:
+        self.allocator.check_invariants()
+        owned: list[tuple[int, int]] = []
+        for ikey, entry in self.index.items():
+            assert entry.ikey == ikey and not entry.doomed, f"index entry {ikey!r} is inconsistent"
+            assert entry.pages == self.pages_for(entry.nbytes), f"{ikey!r} has wrong page count"
+            assert entry.ref_count >= 0 and entry.pin_count >= 0
+            owned.extend(entry.runs)
+        for entry in self._doomed:
+            assert entry.doomed and entry.ref_count > 0, "doomed entry without readers"
+            owned.extend(entry.runs)
+        owned.extend(self.allocator.free_runs())
+        owned.sort()
+        end = 0
+        for start, count in owned:
+            assert start == end, f"pages {end}..{start} lost or owned twice"
+            end = start + count
+        assert end == self.num_pages, f"pages {end}..{self.num_pages} are owned by nobody"
+        ready = {k for k, e in self.index.items() if e.state is ChunkState.READY}
+        pending = [e for e in self.index.values() if e.state is ChunkState.PENDING]
+        assert self.ready_chunks == len(ready), "ready chunk count drifted"
+        assert self.ready_pages == sum(self.index[k].pages for k in ready), "ready pages drifted"
+        assert self.pending_chunks == len(pending), "pending chunk count drifted"
+        assert self.pending_pages == sum(e.pages for e in pending), "pending pages drifted"
+        assert len(self.policy) == len(ready), "eviction policy and READY chunks disagree"
+        assert all(k in ready for k in self.policy.victims()), "policy tracks a non-READY chunk"

@@ -1,0 +1,151 @@
+"""load_config: precedence flag > env > file > default, units, and refusals naming key and value."""
+
+import os
+
+import pytest
+
+from kvtierd.config import Config, ConfigError, load_config
+
+
+def write_toml(tmp_path, text: str):
+    path = tmp_path / "kvtierd.toml"
+    path.write_text(text)
+    return path
+
+
+def refused(key: str, value, *, path=None, env=None, overrides=None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env=env or {}, overrides=overrides)
+    assert key in str(info.value), str(info.value)
+    assert str(value) in str(info.value), str(info.value)
+    return info.value
+
+
+def test_defaults_validate():
+    cfg = load_config(None, env={})
+    assert cfg == Config()
+    assert cfg.cpu_bytes % cfg.page_bytes == 0 and cfg.page_bytes % 4096 == 0
+    assert cfg.socket.startswith("ipc://") and cfg.ipc_path is not None
+    assert cfg.cpu_pages == cfg.cpu_bytes // cfg.page_bytes
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path):
+    path = write_toml(tmp_path, 'max_batch = 11\ncopy_threads = 3\nlog_level = "debug"\n')
+    env = {"KVTIERD_COPY_THREADS": "5", "KVTIERD_LOG_LEVEL": "warning", "OTHER": "x"}
+    cfg = load_config(path, env=env, overrides={"log_level": "error", "max_batch": None})
+    assert cfg.max_batch == 11  # file (a None flag is "not given")
+    assert cfg.copy_threads == 5  # env beats file
+    assert cfg.log_level == "ERROR"  # flag beats env and file
+    assert cfg.lease_timeout_s == Config().lease_timeout_s  # default
+
+
+def test_sizes_with_units_in_file_env_and_flags(tmp_path):
+    path = write_toml(tmp_path, 'cpu_bytes = "8MiB"\nmax_header_bytes = "2 MiB"\n')
+    env = {"KVTIERD_PAGE_BYTES": "128KiB"}
+    cfg = load_config(path, env=env, overrides={"max_inline_bytes": "1MB"})
+    assert (cfg.cpu_bytes, cfg.page_bytes) == (8 * 1024**2, 128 * 1024)
+    assert (cfg.max_header_bytes, cfg.max_inline_bytes) == (2 * 1024**2, 1_000_000)
+
+
+def test_kvtierd_table_is_accepted(tmp_path):
+    path = write_toml(tmp_path, '[kvtierd]\ncpu_bytes = "4MiB"\nprefault = false\n')
+    cfg = load_config(path, env={})
+    assert cfg.cpu_bytes == 4 * 1024**2 and cfg.prefault is False
+
+
+@pytest.mark.parametrize("text, expected", [("on", True), ("Yes", True), ("0", False), ("off", False)])
+def test_env_bools(text, expected):
+    assert load_config(None, env={"KVTIERD_MLOCK": text}).mlock is expected
+
+
+def test_bare_path_socket_becomes_absolute_ipc(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, env={}, overrides={"socket": "run/k.sock"})
+    assert cfg.socket == f"ipc://{tmp_path / 'run' / 'k.sock'}"
+    assert cfg.ipc_path == tmp_path / "run" / "k.sock" and cfg.ipc_path.is_absolute()
+
+
+@pytest.mark.parametrize("sock", ["tcp://127.0.0.1:5555", "tcp://localhost:1", "tcp://[::1]:7"])
+def test_loopback_tcp_socket_allowed(sock):
+    assert load_config(None, env={}, overrides={"socket": sock}).socket == sock
+
+
+def test_remote_tcp_socket_needs_allow_remote():
+    refused("socket", "tcp://10.1.2.3:5555", overrides={"socket": "tcp://10.1.2.3:5555"})
+    refused("socket", "tcp://0.0.0.0:5555", env={"KVTIERD_SOCKET": "tcp://0.0.0.0:5555"})
+    cfg = load_config(
+        None, env={"KVTIERD_ALLOW_REMOTE": "true"}, overrides={"socket": "tcp://10.1.2.3:5555"}
+    )
+    assert cfg.socket == "tcp://10.1.2.3:5555" and cfg.allow_remote
+
+
+@pytest.mark.parametrize(
+    "key, value, overrides",
+    [
+        ("page_bytes", 6000, {"page_bytes": 6000}),
+        ("page_bytes", 0, {"page_bytes": 0}),
+        ("cpu_bytes", 4096, {"cpu_bytes": 4096, "page_bytes": 65536}),
+        ("cpu_bytes", 200704, {"cpu_bytes": 3 * 65536 + 4096, "page_bytes": 65536}),
+        ("low_watermark", 0.97, {"low_watermark": 0.97, "high_watermark": 0.9}),
+        ("high_watermark", 1.5, {"high_watermark": 1.5}),
+        ("low_watermark", 0.0, {"low_watermark": 0.0}),
+        ("eviction_policy", "fifo", {"eviction_policy": "fifo"}),
+        ("socket", "udp://x", {"socket": "udp://x"}),
+        ("socket", "ipc://", {"socket": "ipc://"}),
+        ("socket", "tcp://127.0.0.1:http", {"socket": "tcp://127.0.0.1:http"}),
+        ("metrics_addr", "9464", {"metrics_addr": "9464"}),
+        ("metrics_addr", "127.0.0.1:70000", {"metrics_addr": "127.0.0.1:70000"}),
+        ("metrics_addr", "localhost:", {"metrics_addr": "localhost:"}),
+        ("lease_timeout_s", 0.0, {"lease_timeout_s": 0}),
+        ("copy_threads", "two", {"copy_threads": "two"}),
+        ("max_frame_bytes", 1024, {"max_frame_bytes": 1024}),
+        ("arena_name", "a/b", {"arena_name": "a/b"}),
+        ("log_level", "CHATTY", {"log_level": "chatty"}),
+        ("cpu_bytes", "12XB", {"cpu_bytes": "12XB"}),
+    ],
+)
+def test_invalid_values_name_key_and_value(key, value, overrides):
+    refused(key, value, overrides=overrides)
+
+
+def test_bad_bool_in_file_and_env(tmp_path):
+    refused("prefault", "maybe", path=write_toml(tmp_path, 'prefault = "maybe"\n'))
+    refused("allow_remote", "2", env={"KVTIERD_ALLOW_REMOTE": "2"})
+
+
+def test_unknown_key_in_file_and_env(tmp_path):
+    err = refused("bogus", 1, path=write_toml(tmp_path, "bogus = 1\n"))
+    assert "cpu_bytes" in str(err)  # lists what is allowed
+    err = refused("KVTIERD_BOGUS", "x", env={"KVTIERD_BOGUS": "x"})
+    assert err.key == "KVTIERD_BOGUS"
+
+
+def test_missing_and_invalid_config_file(tmp_path):
+    refused("config", tmp_path / "nope.toml", path=tmp_path / "nope.toml")
+    bad = write_toml(tmp_path, "cpu_bytes = = 3\n")
+    assert "valid TOML" in str(refused("config", bad, path=bad))
+
+
+def test_config_env_variable_itself_is_not_a_key():
+    assert load_config(None, env={"KVTIERD_CONFIG": "/nowhere.toml"}) == Config()
+
+
+def test_public_dict_masks_token():
+    cfg = load_config(None, env={"KVTIERD_AUTH_TOKEN": "s3cret"})
+    assert cfg.auth_token == "s3cret" and cfg.public_dict()["auth_token"] == "***"
+    assert cfg.resolved_arena_name() == f"kvtierd-{os.getpid()}"
+
+
+@pytest.mark.xfail(strict=True, reason="int keys coerce with int(): 2.7 is truncated to 2, no error")
+def test_fractional_int_value_is_refused():
+    refused("copy_threads", 2.7, overrides={"copy_threads": 2.7})
+
+
+@pytest.mark.xfail(strict=True, reason="'x <= 0' is False for NaN, so a NaN timeout validates")
+def test_nan_timeout_is_refused():
+    refused("lease_timeout_s", "nan", env={"KVTIERD_LEASE_TIMEOUT_S": "nan"})
+
+
+@pytest.mark.xfail(strict=True, reason="tcp socket port is only checked with isdigit(), no range")
+def test_tcp_socket_port_out_of_range_is_refused():
+    refused("socket", "tcp://127.0.0.1:99999", overrides={"socket": "tcp://127.0.0.1:99999"})
