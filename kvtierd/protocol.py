@@ -31,6 +31,7 @@ Per-op fields (request -> reply):
 * DELETE ``keys: [bytes]`` -> ``results: [int]``.
 * STATS -> ``stats: map`` (tiers, chunks, counters; what ``kvtierd stats`` prints).
 * BYE -> ``{}``; the session's reservations are aborted and its leases released.
+* CHECK -> ``checked: map`` (what was verified) or ``INTERNAL`` naming the violated invariant.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Op(enum.IntEnum):
     DELETE = 6
     STATS = 7
     BYE = 8
+    CHECK = 9  # run the daemon's internal invariant checks (tests, operators after an incident)
 
 
 class Status(enum.IntEnum):

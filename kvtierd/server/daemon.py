@@ -90,6 +90,7 @@ class Daemon:
             Op.GET: self.handlers.get,
             Op.DELETE: self.handlers.delete,
             Op.BYE: self.handlers.bye,
+            Op.CHECK: self.handlers.check,
         }
         self._stop = threading.Event()
         self._probes: list[float] = []

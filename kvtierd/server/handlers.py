@@ -201,6 +201,16 @@ class OpHandlers:
             }
         }
 
+    def check(self, session: Session | None, header: dict, frames: list) -> dict:
+        """Verify tier and session invariants; O(chunks), so an admin/test op, not a hot one."""
+        try:
+            self.tier.check_invariants()
+            self.sessions.check_invariants()
+        except AssertionError as exc:
+            log.error("invariant violated: %s", exc)
+            raise ProtocolError(Status.INTERNAL, f"invariant violated: {exc}") from None
+        return {"checked": {"chunks": len(self.tier.index), "sessions": len(self.sessions)}}
+
     def _hit(self, op: str) -> None:
         self.counts[f"{op}_hits"] += 1
         self.metrics.hits.labels("cpu").inc()

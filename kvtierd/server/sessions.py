@@ -118,6 +118,19 @@ class SessionTable:
                 self.release_lease(session, ikey)
         return dead
 
+    def check_invariants(self) -> None:
+        pins: dict[int, int] = {}
+        for identity, session in self.by_identity.items():
+            assert session.identity == identity and not session.closed, "stale session in table"
+            assert session.in_flight >= 0, f"session {session.id} in_flight < 0"
+            for ikey, (entry, _) in session.leases.items():
+                assert entry.ikey == ikey, "lease recorded under another key"
+                pins[id(entry)] = pins.get(id(entry), 0) + 1
+        for entry in self.tier.index.values():
+            assert entry.pin_count == pins.get(id(entry), 0), (
+                f"chunk {entry.ikey!r} has pin_count {entry.pin_count}, "
+                f"but {pins.get(id(entry), 0)} live lease(s)")
+
     def close_all(self, reason: str) -> None:
         for session in list(self.by_identity.values()):
             self.close(session, reason)

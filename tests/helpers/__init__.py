@@ -1,0 +1,1 @@
+"""Test helpers: real daemon processes and a raw protocol client for bad-input tests."""

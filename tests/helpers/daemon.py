@@ -1,0 +1,87 @@
+"""A real ``kvtierd serve`` subprocess for tests, with its invariants checked at the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from kvtierd.control import DaemonUnavailable, call
+from kvtierd.protocol import Op
+
+
+class DaemonProcess:
+    def __init__(self, workdir: Path, flags: list[str], cpu_bytes: str = "64MiB",
+                 page_bytes: str = "64KiB", env: dict | None = None) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.address = f"ipc://{workdir / 'kvtierd.sock'}"
+        self.arena_name = f"kvtierd-test-{os.getpid()}-{workdir.name}-{id(self):x}"
+        self.log_path = workdir / "daemon.log"
+        self.flags = ["--socket", self.address, "--cpu-bytes", cpu_bytes, "--page-bytes",
+                      page_bytes, "--metrics-addr", "127.0.0.1:0", "--arena-name",
+                      self.arena_name, *flags]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtierd", "serve", *self.flags],
+            stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvtierd exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                call(self.address, Op.PING, timeout_s=0.5)
+                return
+            except DaemonUnavailable:
+                continue
+        raise RuntimeError(f"kvtierd did not answer within {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stats(self) -> dict:
+        return call(self.address, Op.STATS)["stats"]
+
+    def cpu(self) -> dict:
+        return self.stats()["tiers"]["cpu"]
+
+    def check(self) -> dict:
+        """Run the daemon's invariant checks; raises if one is violated."""
+        return call(self.address, Op.CHECK)["checked"]
+
+    def metrics_text(self) -> str:
+        url = self.stats()["daemon"]["metrics"]
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        Path(f"/dev/shm/{self.arena_name}").unlink(missing_ok=True)
+
+    def stop_and_verify(self) -> None:
+        """SIGTERM; the daemon must still be alive, pass CHECK, exit 0 and remove its arena."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._log.close()
+            return
+        try:
+            self.check()
+        finally:
+            self.proc.send_signal(signal.SIGTERM)
+            code = self.proc.wait(timeout=20)
+            self._log.close()
+        assert code == 0, f"kvtierd exited with {code}:\n{self.log()}"
+        assert not Path(f"/dev/shm/{self.arena_name}").exists(), "arena left in /dev/shm"
+        assert "Traceback" not in self.log(), self.log()

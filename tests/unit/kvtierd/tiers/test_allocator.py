@@ -1,0 +1,114 @@
+"""PageAllocator against a model (a set of free pages): no page handed out twice, runs coalesce."""
+
+import random
+
+import pytest
+
+from kvtierd.tiers.allocator import PageAllocator
+
+
+def pages_of(runs) -> set[int]:
+    out: set[int] = set()
+    for start, count in runs:
+        assert count > 0
+        out.update(range(start, start + count))
+    return out
+
+
+def check(alloc: PageAllocator, model_free: set[int]) -> None:
+    alloc.check_invariants()
+    assert pages_of(alloc.free_runs()) == model_free
+    assert alloc.free_pages == len(model_free)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_allocate_free_matches_model(seed):
+    rng = random.Random(seed)
+    num_pages = rng.choice([1, 7, 64, 300])
+    alloc = PageAllocator(num_pages)
+    model_free = set(range(num_pages))
+    live: list[list[tuple[int, int]]] = []
+    for _ in range(400):
+        if live and rng.random() < 0.45:
+            runs = live.pop(rng.randrange(len(live)))
+            alloc.free(runs)
+            model_free |= pages_of(runs)
+        else:
+            count = rng.randint(1, max(1, num_pages // 4))
+            runs = alloc.allocate(count)
+            if count > len(model_free):
+                assert runs is None
+            else:
+                got = pages_of(runs)
+                assert sum(c for _, c in runs) == count == len(got)  # no page twice in one answer
+                assert got <= model_free  # never a page someone else holds
+                model_free -= got
+                live.append(runs)
+        check(alloc, model_free)
+    for runs in live:
+        alloc.free(runs)
+    assert alloc.free_runs() == [(0, num_pages)]  # everything coalesced into one extent
+    check(alloc, set(range(num_pages)))
+
+
+def test_allocate_returns_none_when_short():
+    alloc = PageAllocator(10)
+    held = alloc.allocate(7)
+    assert alloc.allocate(4) is None
+    assert alloc.free_pages == 3  # a refused allocation takes nothing
+    assert alloc.allocate(3) is not None and alloc.allocate(1) is None
+    alloc.free(held)
+    check(alloc, set(range(7)))
+
+
+def test_fragmented_allocation_spans_runs():
+    alloc = PageAllocator(64)
+    blocks = [alloc.allocate(4) for _ in range(16)]
+    assert pages_of(r for b in blocks for r in b) == set(range(64))
+    for block in blocks[::2]:  # free every other run: 8 holes of 4 pages
+        alloc.free(block)
+    assert len(alloc.free_runs()) == 8 and alloc.allocate(5) is not None
+    runs = alloc.allocate(10)
+    assert len(runs) >= 3 and sum(c for _, c in runs) == 10
+    holes = pages_of(r for b in blocks[::2] for r in b)
+    assert pages_of(runs) <= holes
+    alloc.check_invariants()
+    assert alloc.free_pages == 32 - 5 - 10
+
+
+def test_first_fit_uses_one_run_when_possible():
+    alloc = PageAllocator(32)
+    a, b, c = alloc.allocate(4), alloc.allocate(8), alloc.allocate(4)
+    alloc.free(a)
+    alloc.free(b)  # coalesces with a: pages 0..12 free
+    assert alloc.free_runs() == [(0, 12), (16, 16)]
+    assert alloc.allocate(12) == [(0, 12)]
+    alloc.free(c)
+    alloc.check_invariants()
+
+
+def test_double_free_and_out_of_range_raise():
+    alloc = PageAllocator(16)
+    runs = alloc.allocate(6)
+    alloc.free(runs)
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free(runs)
+    part = alloc.allocate(16)
+    alloc.free([(2, 3)])
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free([(4, 2)])  # overlaps the tail of a free extent
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free([(0, 3)])  # overlaps the head of a free extent
+    for bad in [(-1, 1), (15, 2), (3, 0)]:
+        with pytest.raises(ValueError, match="outside"):
+            alloc.free([bad])
+    alloc.check_invariants()
+    assert alloc.free_runs() == [(2, 3)] and part == [(0, 16)]
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_bad_counts_raise(bad):
+    with pytest.raises(ValueError):
+        PageAllocator(bad)
+    with pytest.raises(ValueError):
+        PageAllocator(4).allocate(bad)
