@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -131,19 +132,22 @@ def _coerce(key: str, value: Any) -> Any:
                 return False
             raise ValueError
         if kind == "int":
-            if isinstance(value, bool):
+            if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
                 raise ValueError
-            return int(value)
+            return int(str(value).strip()) if isinstance(value, str) else int(value)
         if kind == "float":
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError
+            return number
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ValueError
         return str(value)
     except ValueError as exc:
-        detail = str(exc) if key in _SIZE_KEYS else f"a {kind}"
-        raise ConfigError(key, value, detail) from None
+        detail = str(exc)
+        raise ConfigError(key, value, detail if key in _SIZE_KEYS else f"a finite {kind}") from None
 
 
 def _validate(cfg: Config) -> None:
@@ -194,8 +198,8 @@ def _validate_socket(cfg: Config) -> None:
         raise ConfigError("socket", cfg.socket, "ipc://PATH, tcp://HOST:PORT or a plain path")
     host, _, port = cfg.socket[len("tcp://") :].rpartition(":")
     host = host.strip("[]")
-    if not port.isdigit() or not host:
-        raise ConfigError("socket", cfg.socket, "tcp://HOST:PORT")
+    if not port.isdigit() or not host or not 0 < int(port) <= 65535:
+        raise ConfigError("socket", cfg.socket, "tcp://HOST:PORT with a port in 1..65535")
     if cfg.allow_remote:
         return
     try:
@@ -235,6 +239,10 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError("config", str(path), f"valid TOML ({exc})") from None
     # A [kvtierd] table is accepted so that the daemon's keys can share a file with other tools.
     if isinstance(data.get("kvtierd"), dict):
+        others = sorted(k for k in data if k != "kvtierd")
+        if others:
+            raise ConfigError("config", str(path), f"keys either at the top level or in [kvtierd], "
+                              f"not both (top-level: {', '.join(others)})")
         data = data["kvtierd"]
     return data
 

@@ -79,7 +79,7 @@ class CpuTier:
             return Status.TOO_LARGE, None
         runs = self.allocator.allocate(pages)
         if runs is None:
-            self.evict(pages - self.allocator.free_pages)
+            self.evict(pages - self.allocator.free_pages, all_or_nothing=True)
             runs = self.allocator.allocate(pages)
             if runs is None:
                 self.counters["reserve_no_space"] += 1
@@ -170,8 +170,12 @@ class CpuTier:
         else:
             self.allocator.free(entry.runs)
 
-    def evict(self, pages_needed: int) -> int:
-        """Evict cold, unpinned, unreferenced chunks until ``pages_needed`` pages are freed."""
+    def evict(self, pages_needed: int, all_or_nothing: bool = False) -> int:
+        """Evict cold, unpinned, unreferenced chunks until ``pages_needed`` pages are freed.
+
+        With ``all_or_nothing`` (a PUT making room) nothing is evicted unless enough can be: a PUT
+        that fails anyway must not empty the cache on its way.
+        """
         if pages_needed <= 0:
             return 0
         victims: list[ChunkEntry] = []
@@ -184,6 +188,8 @@ class CpuTier:
             freed += entry.pages
             if freed >= pages_needed:
                 break
+        if all_or_nothing and freed < pages_needed:
+            return 0
         for entry in victims:
             self._remove(entry)
             self.counters["evictions"] += 1

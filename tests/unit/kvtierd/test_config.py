@@ -53,7 +53,9 @@ def test_kvtierd_table_is_accepted(tmp_path):
     assert cfg.cpu_bytes == 4 * 1024**2 and cfg.prefault is False
 
 
-@pytest.mark.parametrize("text, expected", [("on", True), ("Yes", True), ("0", False), ("off", False)])
+@pytest.mark.parametrize(
+    "text, expected", [("on", True), ("Yes", True), ("0", False), ("off", False)]
+)
 def test_env_bools(text, expected):
     assert load_config(None, env={"KVTIERD_MLOCK": text}).mlock is expected
 
@@ -136,16 +138,13 @@ def test_public_dict_masks_token():
     assert cfg.resolved_arena_name() == f"kvtierd-{os.getpid()}"
 
 
-@pytest.mark.xfail(strict=True, reason="int keys coerce with int(): 2.7 is truncated to 2, no error")
 def test_fractional_int_value_is_refused():
     refused("copy_threads", 2.7, overrides={"copy_threads": 2.7})
 
 
-@pytest.mark.xfail(strict=True, reason="'x <= 0' is False for NaN, so a NaN timeout validates")
 def test_nan_timeout_is_refused():
     refused("lease_timeout_s", "nan", env={"KVTIERD_LEASE_TIMEOUT_S": "nan"})
 
 
-@pytest.mark.xfail(strict=True, reason="tcp socket port is only checked with isdigit(), no range")
 def test_tcp_socket_port_out_of_range_is_refused():
     refused("socket", "tcp://127.0.0.1:99999", overrides={"socket": "tcp://127.0.0.1:99999"})

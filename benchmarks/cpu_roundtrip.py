@@ -1,0 +1,292 @@
+"""CPU-path throughput and latency of kvtierd against ceilings and a peer measured in the same run.
+
+    .venv/bin/python benchmarks/cpu_roundtrip.py [--json out.json] [--rounds N]
+
+* PUT / GET GB/s through a real daemon for 256 KiB, 2 MiB and 16 MiB chunks (staging already
+  filled; one batched request per 64 MiB), against
+  (a) a plain single-threaded memcpy of the same bytes into pre-faulted memory (the ceiling), and
+  (b) a real ``redis-server`` on a unix socket doing pipelined SET/GET of the same sizes (the peer:
+      LMCache uses Redis as a backend). Needs the ``redis-server`` binary and the ``redis`` package
+      (``pip install -e '.[bench]'``); without them that column is skipped, with a note.
+* PING p50/p99 against a raw pyzmq DEALER/ROUTER echo in another process over ipc (the ceiling).
+* Batched LOOKUP keys/s (4096 keys per request, half of them hits).
+
+Targets (see the README): >= 0.8x memcpy and >= 5x Redis for 2 MiB, PING p50 <= 1.5x raw ZeroMQ,
+>= 200k keys/s batched lookup. Numbers are printed as a table and written as JSON; nothing asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import zmq
+
+from kvtierd.protocol import PROTOCOL_VERSION, Op
+
+SIZES = {"256KiB": 256 * 1024, "2MiB": 2 * 1024**2, "16MiB": 16 * 1024**2}
+BATCH_BYTES = 64 * 1024**2
+
+
+class Session:
+    """A minimal raw client: one DEALER and one shm staging buffer (what KVTierClient does)."""
+
+    def __init__(self, address: str, nbytes: int) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.connect(address)
+        self.name = f"kvtier-stg-bench-{secrets.token_hex(6)}"
+        fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, nbytes)
+        self.buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        os.close(fd)
+        self.buf[:] = os.urandom(nbytes)
+        self.nbytes = nbytes
+        self.next_id = 1
+        self.call(Op.HELLO, namespace="bench", rank=0, fingerprint="bench",
+                  staging={"kind": "shm", "name": self.name, "nbytes": nbytes})
+        os.unlink(f"/dev/shm/{self.name}")
+
+    def call(self, op: Op, **fields) -> dict:
+        self.next_id += 1
+        self.sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": int(op), "id": self.next_id,
+                                      **fields}))
+        while True:
+            header = msgpack.unpackb(self.sock.recv_multipart()[0])
+            if header["id"] == self.next_id:
+                assert header["status"] == 0, header
+                return header
+
+
+def start_daemon(workdir: Path, cpu_bytes: str) -> tuple[subprocess.Popen, str]:
+    address = f"ipc://{workdir / 'kvtierd.sock'}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtierd", "serve", "--socket", address, "--cpu-bytes", cpu_bytes,
+         "--metrics-addr", "off", "--log-level", "WARNING"])
+    deadline = time.monotonic() + 60
+    probe = zmq.Context.instance().socket(zmq.DEALER)
+    probe.connect(address)
+    probe.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": int(Op.PING), "id": 1}))
+    while not probe.poll(200):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError("kvtierd did not start")
+    probe.close(linger=0)
+    return proc, address
+
+
+def bench_daemon_io(session: Session, size: int, rounds: int) -> tuple[float, float]:
+    count = max(1, BATCH_BYTES // size)
+    total = count * size
+    put_s = get_s = 0.0
+    for r in range(rounds):
+        keys = [f"{size}-{r}-{i}".encode() for i in range(count)]
+        items = [[k, i * size, size] for i, k in enumerate(keys)]
+        t0 = time.perf_counter()
+        reply = session.call(Op.PUT, items=items)
+        t1 = time.perf_counter()
+        assert all(s == 0 for s in reply["results"]), reply["errors"][:3]
+        reply = session.call(Op.GET, items=items)
+        t2 = time.perf_counter()
+        assert all(s == 0 for s in reply["results"]), reply["errors"][:3]
+        session.call(Op.DELETE, keys=keys)
+        put_s += t1 - t0
+        get_s += t2 - t1
+    return total * rounds / put_s / 1e9, total * rounds / get_s / 1e9
+
+
+def bench_memcpy(size: int, rounds: int) -> float:
+    count = max(1, BATCH_BYTES // size)
+    src = mmap.mmap(-1, count * size)
+    dst = mmap.mmap(-1, count * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    src.write(os.urandom(count * size))
+    s = ctypes.addressof(ctypes.c_char.from_buffer(src))
+    d = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    best = 0.0
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for i in range(count):
+            ctypes.memmove(d + i * size, s + i * size, size)
+        best = max(best, count * size / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def start_redis(workdir: Path):
+    binary = shutil.which("redis-server")
+    try:
+        import redis
+    except ImportError:
+        return None, "python package 'redis' missing (pip install -e '.[bench]')"
+    if binary is None:
+        return None, "redis-server not installed (apt-get install redis-server)"
+    sock = workdir / "redis.sock"
+    proc = subprocess.Popen([binary, "--port", "0", "--unixsocket", str(sock), "--save", "",
+                             "--appendonly", "no", "--maxmemory", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(unix_socket_path=str(sock))
+    for _ in range(100):
+        try:
+            client.ping()
+            return (proc, client), ""
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    return None, "redis-server did not start"
+
+
+def bench_redis(client, size: int, rounds: int) -> tuple[float, float]:
+    count = max(1, BATCH_BYTES // size)
+    payloads = [os.urandom(size) for _ in range(min(count, 8))]
+    put_s = get_s = 0.0
+    for r in range(rounds):
+        keys = [f"{size}-{r}-{i}" for i in range(count)]
+        pipe = client.pipeline(transaction=False)
+        t0 = time.perf_counter()
+        for i, k in enumerate(keys):
+            pipe.set(k, payloads[i % len(payloads)])
+        pipe.execute()
+        t1 = time.perf_counter()
+        for k in keys:
+            pipe.get(k)
+        got = pipe.execute()
+        t2 = time.perf_counter()
+        assert all(len(g) == size for g in got)
+        client.delete(*keys)
+        put_s += t1 - t0
+        get_s += t2 - t1
+    return count * size * rounds / put_s / 1e9, count * size * rounds / get_s / 1e9
+
+
+ECHO = """
+import sys, zmq
+s = zmq.Context().socket(zmq.ROUTER); s.bind(sys.argv[1])
+while True:
+    s.send_multipart(s.recv_multipart())
+"""
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    samples = sorted(samples)
+    return samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
+
+
+def bench_ping(address: str, n: int) -> tuple[float, float]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    frame = msgpack.packb({"v": PROTOCOL_VERSION, "op": int(Op.PING), "id": 7})
+    samples = []
+    for i in range(n + 200):
+        t0 = time.perf_counter()
+        sock.send(frame)
+        while msgpack.unpackb(sock.recv_multipart()[0])["id"] != 7:
+            pass
+        if i >= 200:
+            samples.append(time.perf_counter() - t0)
+    sock.close(linger=0)
+    return percentiles(samples)
+
+
+def bench_raw_zmq(workdir: Path, n: int) -> tuple[float, float]:
+    address = f"ipc://{workdir / 'echo.sock'}"
+    proc = subprocess.Popen([sys.executable, "-c", ECHO, address])
+    try:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(address)
+        frame = msgpack.packb({"v": PROTOCOL_VERSION, "op": int(Op.PING), "id": 7})
+        samples = []
+        for i in range(n + 200):
+            t0 = time.perf_counter()
+            sock.send(frame)
+            sock.recv_multipart()
+            if i >= 200:
+                samples.append(time.perf_counter() - t0)
+        sock.close(linger=0)
+        return percentiles(samples)
+    finally:
+        proc.kill()
+
+
+def bench_lookup(session: Session, rounds: int) -> float:
+    size = 4096
+    stored = [f"lk-{i}".encode() for i in range(2048)]
+    for i in range(0, len(stored), 512):
+        session.call(Op.PUT, items=[[k, 0, size] for k in stored[i:i + 512]])
+    keys = stored + [f"absent-{i}".encode() for i in range(2048)]
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        reply = session.call(Op.LOOKUP, keys=keys)
+    elapsed = time.perf_counter() - t0
+    assert sum(1 for t in reply["tiers"] if t) == len(stored)
+    return len(keys) * rounds / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pings", type=int, default=5000)
+    parser.add_argument("--json", default="benchmarks/results/cpu_roundtrip.json")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
+    proc, address = start_daemon(workdir, "1GiB")
+    redis_handle, redis_note = start_redis(workdir)
+    results: dict = {"sizes": {}, "notes": []}
+    try:
+        session = Session(address, BATCH_BYTES)
+        for label, size in SIZES.items():
+            put, get = bench_daemon_io(session, size, args.rounds)
+            row = {"put_gbs": put, "get_gbs": get, "memcpy_gbs": bench_memcpy(size, args.rounds)}
+            if redis_handle:
+                row["redis_set_gbs"], row["redis_get_gbs"] = bench_redis(redis_handle[1], size,
+                                                                         args.rounds)
+            results["sizes"][label] = row
+        results["ping_p50_us"], results["ping_p99_us"] = (x * 1e6 for x in bench_ping(address, args.pings))
+        results["zmq_p50_us"], results["zmq_p99_us"] = (x * 1e6 for x in bench_raw_zmq(workdir, args.pings))
+        results["lookup_keys_per_s"] = bench_lookup(session, 50)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        if redis_handle:
+            redis_handle[0].kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+    if redis_note:
+        results["notes"].append(f"redis skipped: {redis_note}")
+    print_table(results)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2))
+    print(f"\nJSON: {args.json}")
+    return 0
+
+
+def print_table(r: dict) -> None:
+    print(f"{'chunk':<8}{'PUT GB/s':>10}{'GET GB/s':>10}{'memcpy':>9}{'PUT/mc':>8}{'GET/mc':>8}"
+          f"{'redis SET':>11}{'redis GET':>11}{'PUT/SET':>9}{'GET/GET':>9}")
+    for label, row in r["sizes"].items():
+        line = (f"{label:<8}{row['put_gbs']:>10.2f}{row['get_gbs']:>10.2f}{row['memcpy_gbs']:>9.2f}"
+                f"{row['put_gbs'] / row['memcpy_gbs']:>7.2f}x{row['get_gbs'] / row['memcpy_gbs']:>7.2f}x")
+        if "redis_set_gbs" in row:
+            line += (f"{row['redis_set_gbs']:>11.2f}{row['redis_get_gbs']:>11.2f}"
+                     f"{row['put_gbs'] / row['redis_set_gbs']:>8.1f}x"
+                     f"{row['get_gbs'] / row['redis_get_gbs']:>8.1f}x")
+        print(line)
+    print(f"\nPING p50 {r['ping_p50_us']:.1f} us  p99 {r['ping_p99_us']:.1f} us   raw ZeroMQ p50 "
+          f"{r['zmq_p50_us']:.1f} us  p99 {r['zmq_p99_us']:.1f} us   ratio p50 "
+          f"{r['ping_p50_us'] / r['zmq_p50_us']:.2f}x")
+    print(f"batched LOOKUP: {r['lookup_keys_per_s'] / 1e3:.0f}k keys/s")
+    for note in r["notes"]:
+        print("note:", note)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

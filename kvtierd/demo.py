@@ -1,0 +1,196 @@
+"""``kvtierd demo``: a simulated engine worker storing and reloading KV caches through a real daemon.
+
+It uses two layouts whose groups have different tokens per block — the case that single-block-size
+offloading chunked wrongly without crashing — scaled down from real geometries (layer counts and
+page sizes smaller; group count, tokens per block, windows and hash unit as in the models):
+
+* Gemma-4-31B-like: five sliding-window groups of 16 tokens/block (window 1024) and one full group
+  of 32 tokens/block;
+* DeepSeek-V4-Flash-like: groups of 256, 64, 64 (sliding, window 128), 4 and 8 tokens per block,
+  hash unit 4.
+
+For each prompt it plans per-group chunks, stores them, poisons the KV cache, reloads and compares
+byte for byte, then prints a table and the daemon's own stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvtierd.cli import _load, format_stats
+from kvtierd.control import DaemonUnavailable, call
+from kvtierd.protocol import Op
+from kvtierd.sizes import format_size
+
+GEMMA4_LIKE = {
+    "model": "gemma-4-31b-demo", "dtype": "bfloat16", "tokens_per_hash": 16, "blocks_per_chunk": 8,
+    "groups": [
+        *({"tokens_per_block": 16, "page_bytes": 16384, "kind": "sliding_window",
+           "sliding_window": 1024, "layer_names": [f"sliding.{2 * g}", f"sliding.{2 * g + 1}"]}
+          for g in range(5)),
+        {"tokens_per_block": 32, "page_bytes": 16384, "kind": "full_attention",
+         "layer_names": ["full.0", "full.1"]},
+    ],
+}
+DEEPSEEK_V4_FLASH_LIKE = {
+    "model": "deepseek-v4-flash-demo", "dtype": "fp8_ds_mla", "tokens_per_hash": 4,
+    "blocks_per_chunk": 2,
+    "groups": [
+        {"tokens_per_block": 256, "page_bytes": 9344, "kind": "attention",
+         "layer_names": ["mla.0", "mla.1"]},
+        {"tokens_per_block": 64, "page_bytes": 9344, "kind": "sliding_window", "sliding_window": 128,
+         "layer_names": ["swa_a.0", "swa_a.1"]},
+        {"tokens_per_block": 64, "page_bytes": 9344, "kind": "sliding_window", "sliding_window": 128,
+         "layer_names": ["swa_b.0", "swa_b.1"]},
+        {"tokens_per_block": 4, "page_bytes": 9344, "kind": "compressor_state",
+         "layer_names": ["c4_state.0", "c4_state.1"]},
+        {"tokens_per_block": 8, "page_bytes": 9344, "kind": "compressor_state",
+         "layer_names": ["c128_state.0", "c128_state.1"]},
+    ],
+}
+
+
+@dataclass
+class GroupRow:
+    layout: str
+    group: int
+    tokens_per_block: int
+    blocks_per_chunk: int
+    tokens_per_chunk: int
+    chunks: int = 0
+    nbytes: int = 0
+    hits: int = 0
+
+
+def _kv_caches(layout, tokens: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    caches = {}
+    for group in layout.groups:
+        blocks = -(-tokens // group.tokens_per_block)
+        for name in group.layer_names:
+            caches[name] = torch.randint(0, 256, (blocks, group.page_bytes), dtype=torch.uint8,
+                                         generator=gen)
+    return caches
+
+
+def run_layout(address: str, spec: dict, args: argparse.Namespace, seed: int
+               ) -> tuple[list[GroupRow], float, float, int]:
+    from kvtier_client import KVLayout, KVTierClient
+
+    layout = KVLayout.from_dict(spec)
+    gen = torch.Generator().manual_seed(seed)
+    kv = _kv_caches(layout, args.tokens, gen)
+    rows = [GroupRow(layout.model, g, grp.tokens_per_block, layout.blocks_per_chunk[g],
+                     layout.tokens_per_chunk[g]) for g, grp in enumerate(layout.groups)]
+    store_s = load_s = 0.0
+    mismatches = 0
+    block_ids = [list(range(-(-args.tokens // g.tokens_per_block))) for g in layout.groups]
+    with KVTierClient.connect(address, layout=layout, kv_caches=kv) as client:
+        for _ in range(args.requests):
+            for t in kv.values():
+                t.random_(0, 256, generator=gen)
+            tokens = torch.randint(0, 200_000, (args.tokens,), generator=gen).tolist()
+            chunks = layout.plan(tokens, block_ids)
+            saved = {n: t.clone() for n, t in kv.items()}
+            t0 = time.perf_counter()
+            stored = client.store(chunks).result(timeout=60)
+            t1 = time.perf_counter()
+            for t in kv.values():
+                t.fill_(0xAB)  # poison: a load that did nothing cannot pass
+            t2 = time.perf_counter()
+            loaded = client.load(chunks).result(timeout=60)
+            t3 = time.perf_counter()
+            store_s += t1 - t0
+            load_s += t3 - t2
+            for chunk, ok_store, ok_load in zip(chunks, stored, loaded):
+                row = rows[chunk.group]
+                row.chunks += ok_store
+                row.nbytes += chunk.nbytes if ok_store else 0
+                row.hits += ok_load
+                for name in layout.groups[chunk.group].layer_names:
+                    ids = torch.tensor(chunk.block_ids)
+                    if ok_load and not torch.equal(kv[name][ids], saved[name][ids]):
+                        mismatches += 1
+    return rows, store_s, load_s, mismatches
+
+
+def _print_table(rows: list[GroupRow], timing: dict[str, tuple[float, float, int]]) -> None:
+    print(f"\n{'layout':<24}{'group':>6}{'tok/blk':>8}{'blk/chunk':>10}{'tok/chunk':>10}"
+          f"{'chunks':>8}{'bytes':>12}{'hits':>6}")
+    for r in rows:
+        print(f"{r.layout:<24}{r.group:>6}{r.tokens_per_block:>8}{r.blocks_per_chunk:>10}"
+              f"{r.tokens_per_chunk:>10}{r.chunks:>8}{format_size(r.nbytes):>12}{r.hits:>6}")
+    print(f"\n{'layout':<24}{'stored':>12}{'store GB/s':>12}{'load GB/s':>12}{'verified':>12}")
+    for name, (store_s, load_s, mismatches) in timing.items():
+        nbytes = sum(r.nbytes for r in rows if r.layout == name)
+        verdict = "byte-exact" if mismatches == 0 else f"{mismatches} BAD"
+        print(f"{name:<24}{format_size(nbytes):>12}{nbytes / store_s / 1e9:>12.2f}"
+              f"{nbytes / load_s / 1e9:>12.2f}{verdict:>12}")
+
+
+def _start_daemon(args: argparse.Namespace) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "kvtierd", "serve"]
+    if args.config:
+        argv += ["--config", args.config]
+    for key, value in vars(args).items():
+        if key in ("socket", "cpu_bytes", "page_bytes", "metrics_addr", "arena_name",
+                   "eviction_policy", "session_timeout_s", "lease_timeout_s", "copy_threads",
+                   "log_level") and value is not None:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    return subprocess.Popen(argv)
+
+
+def _wait_ready(address: str, proc: subprocess.Popen | None, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"kvtierd serve exited with {proc.returncode}")
+        try:
+            call(address, Op.PING, timeout_s=0.5)
+            return
+        except DaemonUnavailable:
+            continue
+    raise RuntimeError(f"kvtierd did not answer at {address} within {timeout_s:g} s")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    proc = None
+    try:
+        call(cfg.socket, Op.PING, timeout_s=0.5)
+        print(f"using the kvtierd already serving at {cfg.socket}")
+    except DaemonUnavailable:
+        print(f"starting kvtierd at {cfg.socket}")
+        proc = _start_daemon(args)
+    try:
+        _wait_ready(cfg.socket, proc)
+        rows: list[GroupRow] = []
+        timing = {}
+        for seed, spec in enumerate((GEMMA4_LIKE, DEEPSEEK_V4_FLASH_LIKE)):
+            layout_rows, store_s, load_s, bad = run_layout(cfg.socket, spec, args, seed)
+            rows += layout_rows
+            timing[spec["model"]] = (store_s, load_s, bad)
+        _print_table(rows, timing)
+        stats = call(cfg.socket, Op.STATS)["stats"]
+        print("\n" + format_stats(stats))
+        print(f"\nPrometheus metrics: {stats['daemon']['metrics'] or 'off'}   "
+              f"table again: kvtierd stats --socket {cfg.socket}")
+        failed = any(bad for _, _, bad in timing.values())
+        if proc is not None and args.keep_serving and not failed:
+            print("kvtierd keeps serving; Ctrl-C stops it")
+            proc.wait()
+        return 1 if failed else 0
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)

@@ -1,0 +1,157 @@
+"""Every reference layout round trips through a real daemon, byte for byte, into other blocks.
+
+Keys depend only on the tokens, so a second block table planned from the same tokens names the same
+chunks: storing from table A and loading into table B proves the copies follow the block ids (and
+each group's own tokens_per_block and blocks_per_chunk), not the positions they were stored from.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from helpers.kv import (
+    LAYOUT_FILES,
+    assert_chunk_equals,
+    assert_untouched_outside,
+    blocks_needed,
+    chunk_pages,
+    fill_random,
+    load_layout,
+    poison,
+    random_tokens,
+    simple_layout,
+)
+
+from kvtier_client import KVTierClient
+
+pytestmark = pytest.mark.timeout(60)
+
+REMAINDER = 37  # a trailing partial chunk in every group (37 is a multiple of no tokens_per_block)
+
+
+def two_tables(need: list[int]) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """Block counts and two disjoint tables: A = 0..n-1 in order, B = the top n blocks reversed."""
+    num_blocks = [2 * n + 3 for n in need]
+    table_a = [list(range(n)) for n in need]
+    table_b = [[total - 1 - i for i in range(n)] for n, total in zip(need, num_blocks)]
+    return num_blocks, table_a, table_b
+
+
+@pytest.mark.parametrize("page_bytes", [4100, 4096])
+@pytest.mark.parametrize("path", LAYOUT_FILES, ids=lambda p: p.stem)
+def test_reference_layout_round_trips_into_other_blocks(daemon, path, page_bytes):
+    layout = load_layout(path, page_bytes=page_bytes, layers_per_group=2)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{path.stem}/{page_bytes}".encode()))
+    tpc = layout.tokens_per_chunk
+    offloadable = [g for g, ok in enumerate(layout.offloadable) if ok]
+    n_tokens = 3 * max(tpc[g] for g in offloadable) + REMAINDER
+    tokens = random_tokens(gen, n_tokens)
+    num_blocks, table_a, table_b = two_tables(blocks_needed(layout, n_tokens))
+    kv = {}
+    for g, group in enumerate(layout.groups):
+        for name in group.layer_names:
+            kv[name] = torch.empty((num_blocks[g], group.page_bytes), dtype=torch.uint8)
+            fill_random(kv[name], gen)
+
+    chunks_a = layout.plan(tokens, table_a, trim_sliding_window=False)
+    chunks_b = layout.plan(tokens, table_b, trim_sliding_window=False)
+
+    # The plan: per-group counts from each group's own tokens_per_chunk; skipped groups get none.
+    for g in range(len(layout.groups)):
+        count = sum(c.group == g for c in chunks_a)
+        if layout.offloadable[g]:
+            assert count == n_tokens // tpc[g] >= 2, (g, count)
+        else:
+            assert count == 0, f"group {g} is not offloadable but got {count} chunks"
+    assert [(c.key, c.group, c.token_start) for c in chunks_a] == \
+        [(c.key, c.group, c.token_start) for c in chunks_b]
+    assert len({c.key for c in chunks_a}) == len(chunks_a), "two chunks share a key"
+    for a, b in zip(chunks_a, chunks_b):
+        assert set(a.block_ids).isdisjoint(b.block_ids)
+        assert a.nbytes == b.nbytes == layout.chunk_nbytes(a.group)
+
+    expected = [chunk_pages(layout, kv, c) for c in chunks_a]
+    with KVTierClient.connect(daemon.address, layout=layout, kv_caches=kv) as client:
+        assert client.lookup(chunks_b) == [False] * len(chunks_b)
+        assert client.store(chunks_a).result(timeout=30) == [True] * len(chunks_a)
+        cpu = daemon.cpu()
+        assert cpu["chunks"] == len(chunks_a) and cpu["pending_chunks"] == 0
+        assert client.lookup(chunks_b) == [True] * len(chunks_b)
+
+        poison(kv)
+        assert client.load(chunks_b).result(timeout=30) == [True] * len(chunks_b)
+        for chunk, pages in zip(chunks_b, expected):
+            assert_chunk_equals(layout, kv, chunk, pages, path.stem)
+        # Nothing else was written: not table A, not the spare blocks, not other groups' blocks.
+        assert_untouched_outside(layout, kv, chunks_b)
+
+        # A sliding-window plan (the default) is a subset of what was stored: it loads too.
+        trimmed = layout.plan(tokens, table_b)
+        assert {c.key for c in trimmed} <= {c.key for c in chunks_b}
+        for g, group in enumerate(layout.groups):
+            if not layout.offloadable[g]:
+                continue
+            kept = [c for c in chunks_b if c.group == g and c in trimmed]
+            if group.sliding_window is None:
+                assert len(kept) == n_tokens // tpc[g]
+            else:
+                end = (n_tokens // tpc[g]) * tpc[g]
+                overlapping = [c for c in chunks_b
+                               if c.group == g and c.token_end > end - group.sliding_window]
+                assert kept == overlapping, f"group {g}: trimmed plan keeps the wrong chunks"
+        poison(kv)
+        assert all(client.load(trimmed).result(timeout=30))
+        by_key = {c.key: pages for c, pages in zip(chunks_b, expected)}
+        for chunk in trimmed:
+            assert_chunk_equals(layout, kv, chunk, by_key[chunk.key], f"{path.stem} trimmed")
+
+        assert client.delete(chunks_b) == [True] * len(chunks_b)
+        assert client.lookup(chunks_a) == [False] * len(chunks_a)
+        assert daemon.cpu()["chunks"] == 0
+        poison(kv)
+        assert client.load(chunks_b).result(timeout=30) == [False] * len(chunks_b)
+        assert_untouched_outside(layout, kv, [])
+    daemon.check()
+
+
+def test_strided_padded_and_bfloat16_tensors_round_trip(daemon):
+    """Pages are the first page_bytes of each block, wherever stride(0) and the dtype put it."""
+    page_bytes = 4100
+    layout = simple_layout(page_bytes=page_bytes, layers=4, tokens_per_block=16,
+                           blocks_per_chunk=16, model="strided")
+    gen = torch.Generator().manual_seed(7)
+    n_tokens = 2 * 256 + 100
+    num_blocks, table_a, table_b = two_tables(blocks_needed(layout, n_tokens))
+    n = num_blocks[0]
+    pad = 60
+    bases = {
+        "l0": torch.empty((n, page_bytes), dtype=torch.uint8),  # contiguous, exact pages
+        # stride(0) = 2 * (page_bytes + pad) > page_bytes: K half of a [blocks, 2, X] cache
+        "l1": torch.empty((n, 2, page_bytes + pad), dtype=torch.uint8),
+        # bfloat16 blocks with 8 padding bytes each: only the first page_bytes are copied
+        "l2": torch.empty((n, page_bytes // 2 + 4), dtype=torch.bfloat16),
+        # V half (storage_offset > 0) of a bfloat16 [blocks, 2, X] cache
+        "l3": torch.empty((n, 2, page_bytes // 2 + 16), dtype=torch.bfloat16),
+    }
+    kv = {"l0": bases["l0"], "l1": bases["l1"][:, 0], "l2": bases["l2"], "l3": bases["l3"][:, 1]}
+    assert kv["l1"].stride(0) > page_bytes and not kv["l1"].is_contiguous()
+    assert kv["l3"].storage_offset() > 0 and kv["l3"].dtype == torch.bfloat16
+    for t in kv.values():
+        fill_random(t, gen)  # the whole storage, so a misplaced copy reads non-poison bytes
+    tokens = random_tokens(gen, n_tokens)
+    chunks_a = layout.plan(tokens, table_a)
+    chunks_b = layout.plan(tokens, table_b)
+    assert len(chunks_a) == 2 and chunks_a[0].nbytes > 256 * 1024  # copied on a daemon thread
+    expected = [chunk_pages(layout, kv, c) for c in chunks_a]
+
+    with KVTierClient.connect(daemon.address, layout=layout, kv_caches=kv) as client:
+        assert client.store(chunks_a).result(timeout=30) == [True, True]
+        poison(kv)
+        assert client.load(chunks_b).result(timeout=30) == [True, True]
+    for chunk, pages in zip(chunks_b, expected):
+        assert_chunk_equals(layout, kv, chunk, pages, "strided")
+    # padding bytes, the other half of l1/l3 and every other block stay poison
+    assert_untouched_outside(layout, kv, chunks_b)
+    daemon.check()
