@@ -77,6 +77,8 @@ class Config:
     max_frame_bytes: int = 512 * 1024**2
     # Largest inline payload frame (sessions without shared staging); answered TOO_LARGE above it.
     max_inline_bytes: int = 256 * 1024**2
+    # Largest staging buffer a client may register in HELLO.
+    max_staging_bytes: int = 64 * 1024**3
     # Most items (keys) in one LOOKUP/PUT/GET/DELETE.
     max_batch: int = 8192
     # Threads that copy bytes between staging buffers and tiers (memcpy releases the GIL).
@@ -113,6 +115,7 @@ _SIZE_KEYS = {
     "max_header_bytes",
     "max_frame_bytes",
     "max_inline_bytes",
+    "max_staging_bytes",
 }
 _FIELD_TYPES = {f.name: f.type for f in fields(Config)}
 
@@ -172,7 +175,8 @@ def _validate(cfg: Config) -> None:
     for key in ("lease_timeout_s", "session_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, getattr(cfg, key), "a positive number of seconds")
-    for key in ("max_batch", "copy_threads", "max_header_bytes", "max_inline_bytes"):
+    for key in ("max_batch", "copy_threads", "max_header_bytes", "max_inline_bytes",
+                "max_staging_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, getattr(cfg, key), "a positive integer")
     if cfg.max_frame_bytes < max(cfg.max_inline_bytes, cfg.max_header_bytes):

@@ -119,6 +119,7 @@ class OpHandlers:
             "max_header_bytes": self.cfg.max_header_bytes,
             "max_inline_bytes": self.cfg.max_inline_bytes,
             "max_frame_bytes": self.cfg.max_frame_bytes,
+            "max_staging_bytes": self.cfg.max_staging_bytes,
         }
 
     def _open_staging(self, spec: dict) -> ShmStaging | None:
@@ -126,7 +127,7 @@ class OpHandlers:
         if kind == "inline":
             return None
         if kind == "shm":
-            return ShmStaging(spec.get("name"), spec.get("nbytes"), self.cfg.max_frame_bytes * 64)
+            return ShmStaging(spec.get("name"), spec.get("nbytes"), self.cfg.max_staging_bytes)
         if kind == "cuda_ipc":
             raise ProtocolError(
                 Status.BAD_HANDLE,
