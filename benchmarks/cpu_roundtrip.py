@@ -182,17 +182,18 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     return samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
 
 
-def bench_ping(address: str, n: int) -> tuple[float, float]:
+def round_trips(address: str, n: int, warmup: int = 200) -> tuple[float, float]:
+    """p50/p99 seconds of ``n`` PING round trips (after a warm-up) to whatever serves ``address``."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(address)
     frame = msgpack.packb({"v": PROTOCOL_VERSION, "op": int(Op.PING), "id": 7})
     samples = []
-    for i in range(n + 200):
+    for i in range(n + warmup):
         t0 = time.perf_counter()
         sock.send(frame)
         while msgpack.unpackb(sock.recv_multipart()[0])["id"] != 7:
-            pass
-        if i >= 200:
+            pass  # the daemon's id-0 liveness probes
+        if i >= warmup:
             samples.append(time.perf_counter() - t0)
     sock.close(linger=0)
     return percentiles(samples)
@@ -202,18 +203,7 @@ def bench_raw_zmq(workdir: Path, n: int) -> tuple[float, float]:
     address = f"ipc://{workdir / 'echo.sock'}"
     proc = subprocess.Popen([sys.executable, "-c", ECHO, address])
     try:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.connect(address)
-        frame = msgpack.packb({"v": PROTOCOL_VERSION, "op": int(Op.PING), "id": 7})
-        samples = []
-        for i in range(n + 200):
-            t0 = time.perf_counter()
-            sock.send(frame)
-            sock.recv_multipart()
-            if i >= 200:
-                samples.append(time.perf_counter() - t0)
-        sock.close(linger=0)
-        return percentiles(samples)
+        return round_trips(address, n)
     finally:
         proc.kill()
 
@@ -251,7 +241,7 @@ def main() -> int:
                 row["redis_set_gbs"], row["redis_get_gbs"] = bench_redis(redis_handle[1], size,
                                                                          args.rounds)
             results["sizes"][label] = row
-        results["ping_p50_us"], results["ping_p99_us"] = (x * 1e6 for x in bench_ping(address, args.pings))
+        results["ping_p50_us"], results["ping_p99_us"] = (x * 1e6 for x in round_trips(address, args.pings))
         results["zmq_p50_us"], results["zmq_p99_us"] = (x * 1e6 for x in bench_raw_zmq(workdir, args.pings))
         results["lookup_keys_per_s"] = bench_lookup(session, 50)
     finally:

@@ -76,37 +76,34 @@ def build_page_tables(layout: KVLayout, kv_caches: dict[str, torch.Tensor]) -> l
     return tables
 
 
-def _unit_view(staging: torch.Tensor, unit: CopyUnit, layers: int, page_bytes: int) -> torch.Tensor:
-    nbytes = layers * len(unit.block_ids) * page_bytes
-    return staging[unit.staging_offset: unit.staging_offset + nbytes].view(
-        layers, len(unit.block_ids), page_bytes)
-
-
-def _valid(unit: CopyUnit, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.tensor(unit.block_ids, dtype=torch.long, device=device)
+def _unit_layers(tables: list[list[LayerPages]], unit: CopyUnit, staging: torch.Tensor):
+    """For each layer of the unit's group: (its staging ``[block][page]`` view, its pages,
+    positions of the unit's valid blocks, their block ids, whether all blocks are valid)."""
+    layers = tables[unit.group]
+    page_bytes = layers[0].pages.shape[1]
+    nbytes = len(layers) * len(unit.block_ids) * page_bytes
+    view = staging[unit.staging_offset: unit.staging_offset + nbytes].view(
+        len(layers), len(unit.block_ids), page_bytes)
+    ids = torch.tensor(unit.block_ids, dtype=torch.long, device=staging.device)
     positions = torch.nonzero(ids != -1).flatten()
-    return positions, ids[positions]
+    complete = len(positions) == len(unit.block_ids)
+    valid_ids = ids if complete else ids[positions]
+    for l, layer in enumerate(layers):
+        yield view[l], layer.pages, positions, valid_ids, complete
 
 
 def gather(tables: list[list[LayerPages]], units: list[CopyUnit], staging: torch.Tensor) -> None:
     """Copy every unit's pages from the KV cache into its staging range."""
     for unit in units:
-        layers = tables[unit.group]
-        view = _unit_view(staging, unit, len(layers), layers[0].pages.shape[1])
-        positions, ids = _valid(unit, staging.device)
-        for l, layer in enumerate(layers):
-            if len(ids) == len(unit.block_ids):  # no -1: one copy straight into staging
-                torch.index_select(layer.pages, 0, ids, out=view[l])
+        for view, pages, positions, ids, complete in _unit_layers(tables, unit, staging):
+            if complete:  # no -1: one copy straight into staging
+                torch.index_select(pages, 0, ids, out=view)
             else:
-                view[l].index_copy_(0, positions, layer.pages.index_select(0, ids))
+                view.index_copy_(0, positions, pages.index_select(0, ids))
 
 
 def scatter(tables: list[list[LayerPages]], units: list[CopyUnit], staging: torch.Tensor) -> None:
     """Copy every unit's staging range back into its blocks of the KV cache."""
     for unit in units:
-        layers = tables[unit.group]
-        view = _unit_view(staging, unit, len(layers), layers[0].pages.shape[1])
-        positions, ids = _valid(unit, staging.device)
-        for l, layer in enumerate(layers):
-            source = view[l] if len(ids) == len(unit.block_ids) else view[l].index_select(0, positions)
-            layer.pages.index_copy_(0, ids, source)
+        for view, pages, positions, ids, complete in _unit_layers(tables, unit, staging):
+            pages.index_copy_(0, ids, view if complete else view.index_select(0, positions))
