@@ -44,6 +44,7 @@ class ShmStaging:
             raise ProtocolError(
                 Status.BAD_HANDLE, f"cannot open staging buffer /dev/shm/{name}: {exc.strerror}"
             ) from None
+        self._fd = fd  # kept: every batch re-checks the size (see check_size)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -55,13 +56,30 @@ class ShmStaging:
                     f"fewer than the {nbytes} announced",
                 )
             self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         self.name = name
         self.nbytes = nbytes
         self._anchor = ctypes.c_char.from_buffer(self._mmap)
         self.address = ctypes.addressof(self._anchor)
         self.view = memoryview(self._mmap)
+
+    def check_size(self) -> None:
+        """Refuse a batch if the client shrank its file since HELLO.
+
+        A copy through a mapping whose file was truncated would raise SIGBUS and kill the daemon.
+        This check catches a buggy client; a client racing a truncate against its own in-flight
+        request can still win (named /dev/shm files cannot be sealed) — sealed memfds passed over
+        SCM_RIGHTS are the fix for that threat.
+        """
+        size = os.fstat(self._fd).st_size
+        if size < self.nbytes:
+            raise ProtocolError(
+                Status.BAD_HANDLE,
+                f"staging buffer /dev/shm/{self.name} shrank to {size} bytes since HELLO "
+                f"({self.nbytes} announced); nothing was copied",
+            )
 
     def check_range(self, offset: object, nbytes: object) -> str | None:
         """Why ``(offset, nbytes)`` is not inside the buffer, or None when it is."""
@@ -80,3 +98,4 @@ class ShmStaging:
         self.view.release()
         del self._anchor
         self._mmap.close()
+        os.close(self._fd)

@@ -235,16 +235,11 @@ class Daemon:
         try:
             if len(frames) < 2:
                 raise ProtocolError(Status.BAD_MESSAGE, "message has no header frame")
-            if len(frames) > self.cfg.max_batch + 2:
-                raise ProtocolError(
-                    Status.TOO_LARGE,
-                    f"message has {len(frames)} frames; the limit is max_batch + 1 "
-                    f"({self.cfg.max_batch + 1})",
-                )
             header = unpack(frames[1].bytes, self.cfg.max_header_bytes)
             request_id = header.get("id")
             op = self._check_envelope(header)
             op_label = op.name.lower()
+            self._check_frame_count(op, identity, len(frames) - 1)
             result = self._run(op, identity, header, [f.buffer for f in frames[2:]])
             if result is None:
                 return  # copies in flight: answered by OpHandlers.finish
@@ -260,6 +255,25 @@ class Daemon:
             status_label = Status.INTERNAL.name
         self.metrics.requests.labels(op_label, status_label).inc()
         self.metrics.latency.labels(op_label).observe(time.perf_counter() - started)
+
+    def _check_frame_count(self, op: Op, identity: bytes, count: int) -> None:
+        """Payload frames belong only to PUTs of inline sessions (one per item)."""
+        if count == 1:
+            return
+        if count > self.cfg.max_batch + 1:
+            raise ProtocolError(
+                Status.TOO_LARGE,
+                f"message has {count} frames; the limit is max_batch + 1 ({self.cfg.max_batch + 1})",
+            )
+        session = self.sessions.by_identity.get(identity)
+        if op is Op.PUT and session is None:
+            return  # answered NO_SESSION next
+        if op is not Op.PUT or session is None or session.staging is not None:
+            raise ProtocolError(
+                Status.BAD_REQUEST,
+                f"{op.name} carries {count - 1} payload frame(s); payload frames are only accepted "
+                "with a PUT from an inline session",
+            )
 
     def _check_envelope(self, header: dict) -> Op:
         version = header.get("v")

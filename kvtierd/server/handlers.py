@@ -83,7 +83,9 @@ class OpHandlers:
     def hello(self, identity: bytes, header: dict, frames: list) -> dict:
         if self.cfg.auth_token:
             token = header.get("token")
-            if not isinstance(token, str) or not hmac.compare_digest(token, self.cfg.auth_token):
+            if not isinstance(token, str) or not hmac.compare_digest(
+                token.encode("utf-8", "surrogatepass"), self.cfg.auth_token.encode("utf-8")
+            ):
                 raise ProtocolError(Status.AUTH_FAILED, "HELLO token missing or wrong")
         namespace = requests.field(header, "namespace", str, "a non-empty string")
         if not 0 < len(namespace) <= 256:
@@ -224,7 +226,7 @@ class OpHandlers:
     def put(self, session: Session, header: dict, frames: list) -> dict | None:
         items = requests.items(header, self.cfg.max_batch)
         batch = self._batch(session, Op.PUT, header)
-        self._check_inline_frames(session, items, frames)
+        self._check_frames(session, items, frames)
         jobs: list[tuple[int, ChunkEntry, Any]] = []
         for i, (key, offset, nbytes) in enumerate(items):
             problem = self._item_problem(session, key, offset, nbytes, frames, i)
@@ -246,6 +248,8 @@ class OpHandlers:
         items = requests.items(header, self.cfg.max_batch)
         batch = self._batch(session, Op.GET, header)
         inline = session.staging is None
+        if not inline:
+            session.staging.check_size()
         if inline:
             batch.out_frames = [b""] * len(items)
         jobs: list[tuple[int, ChunkEntry, Any]] = []
@@ -273,22 +277,21 @@ class OpHandlers:
                 target = offset
             jobs.append((i, entry, target))
         self._submit(batch, jobs, self._get_job)
-        return self._reply_if_done(batch)
+        done = self._reply_if_done(batch)
+        return None if done is None else (done, batch.out_frames)
 
     def _batch(self, session: Session, op: Op, header: dict) -> Batch:
         count = len(header["items"])
         return Batch(session, op, header.get("id"), time.perf_counter(), [0] * count, [])
 
-    def _check_inline_frames(self, session: Session, items: list, frames: list) -> None:
-        if session.staging is None and len(frames) != len(items):
+    def _check_frames(self, session: Session, items: list, frames: list) -> None:
+        if session.staging is not None:
+            session.staging.check_size()
+        elif len(frames) != len(items):
             raise ProtocolError(
                 Status.BAD_REQUEST,
                 f"an inline PUT needs one payload frame per item: {len(items)} items, "
                 f"{len(frames)} frames",
-            )
-        if session.staging is not None and frames:
-            raise ProtocolError(
-                Status.BAD_REQUEST, "payload frames are only accepted from inline sessions"
             )
 
     def _item_problem(
@@ -395,7 +398,9 @@ class OpHandlers:
         batch.jobs_left -= 1
         session.in_flight -= 1
         self.sessions.release_staging(session)
-        if batch.jobs_left == 0 and batch.deferred and not session.closed:
+        if batch.jobs_left == 0 and batch.deferred:
+            # Answered even if the session ended meanwhile (BYE right behind a PUT): its peer may
+            # still be there, and every request gets a reply.
             self.finish(batch, self._reply_if_done(batch))
 
     def _finish_put_item(self, batch: Batch, index: int, entry: ChunkEntry, digest) -> None:
@@ -404,6 +409,9 @@ class OpHandlers:
             self.tier.abort(entry)
             if digest is None:
                 self._fail(batch, index, Status.INTERNAL, "copy into the CPU tier failed")
+            else:
+                self._fail(batch, index, Status.NO_SESSION,
+                           "the session ended before the copy completed; not stored")
             return
         self.tier.commit(entry, digest)
         self.metrics.bytes.labels("in", "cpu").inc(entry.nbytes)

@@ -7,6 +7,7 @@ each group's own tokens_per_block and blocks_per_chunk), not the positions they 
 
 from __future__ import annotations
 
+import json
 import zlib
 
 import pytest
@@ -43,6 +44,13 @@ def two_tables(need: list[int]) -> tuple[list[int], list[list[int]], list[list[i
 @pytest.mark.parametrize("path", LAYOUT_FILES, ids=lambda p: p.stem)
 def test_reference_layout_round_trips_into_other_blocks(daemon, path, page_bytes):
     layout = load_layout(path, page_bytes=page_bytes, layers_per_group=2)
+    raw = json.loads(path.read_text())  # the oracle: straight from the file, not the layout object
+    bpc = raw["blocks_per_chunk"]
+    bpc = bpc if isinstance(bpc, list) else [bpc] * len(raw["groups"])
+    file_tpc = [gr["tokens_per_block"] * n for gr, n in zip(raw["groups"], bpc)]
+    file_offloadable = [gr["tokens_per_block"] % raw["tokens_per_hash"] == 0 for gr in raw["groups"]]
+    assert list(layout.tokens_per_chunk) == file_tpc
+    assert list(layout.offloadable) == file_offloadable
     gen = torch.Generator().manual_seed(zlib.crc32(f"{path.stem}/{page_bytes}".encode()))
     tpc = layout.tokens_per_chunk
     offloadable = [g for g, ok in enumerate(layout.offloadable) if ok]
@@ -61,8 +69,10 @@ def test_reference_layout_round_trips_into_other_blocks(daemon, path, page_bytes
     # The plan: per-group counts from each group's own tokens_per_chunk; skipped groups get none.
     for g in range(len(layout.groups)):
         count = sum(c.group == g for c in chunks_a)
-        if layout.offloadable[g]:
-            assert count == n_tokens // tpc[g] >= 2, (g, count)
+        if file_offloadable[g]:
+            assert count == n_tokens // file_tpc[g] >= 2, (g, count)
+            spans = [(c.token_start, c.token_end) for c in chunks_a if c.group == g]
+            assert spans == [(i * file_tpc[g], (i + 1) * file_tpc[g]) for i in range(count)]
         else:
             assert count == 0, f"group {g} is not offloadable but got {count} chunks"
     assert [(c.key, c.group, c.token_start) for c in chunks_a] == \
