@@ -6,9 +6,15 @@ bytes = 2 pages. Every hit must be byte-exact and every miss must leave its bloc
 
 from __future__ import annotations
 
+import mmap
+import os
+from pathlib import Path
+
+import msgpack
 import pytest
 import torch
 from helpers.kv import (
+    POISON,
     assert_chunk_equals,
     assert_chunk_poisoned,
     assert_untouched_outside,
@@ -19,7 +25,10 @@ from helpers.kv import (
     simple_layout,
 )
 
+from helpers.raw import RawClient
+
 from kvtier_client import KVGroup, KVLayout, KVTierClient
+from kvtierd.protocol import Op, Status
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -158,3 +167,85 @@ def test_chunk_larger_than_the_tier_is_refused_and_the_daemon_keeps_serving(daem
         assert_untouched_outside(layout, kv, small)
     d.check()
     assert d.alive()
+
+
+
+class _Staging:
+    """A raw client's /dev/shm staging buffer that the test can read back."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.name = f"kvtier-stg-{os.getpid()}-evict{os.urandom(4).hex()}"
+        path = Path("/dev/shm") / self.name
+        with open(path, "w+b") as f:
+            f.truncate(nbytes)
+            self.map = mmap.mmap(f.fileno(), nbytes)
+        self.path = path
+        self.nbytes = nbytes
+
+    def hello(self, raw: RawClient) -> None:
+        rep, _ = raw.request(Op.HELLO, namespace="doomed", rank=0, fingerprint="fp",
+                             staging={"kind": "shm", "name": self.name, "nbytes": self.nbytes})
+        assert rep["status"] == Status.OK, rep
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.map.close()
+
+
+def _send(raw: RawClient, request_id: int, op: Op, **fields) -> None:
+    raw.send_frames([msgpack.packb({"v": 1, "op": int(op), "id": request_id, **fields})])
+
+
+def _replies(raw: RawClient, ids: set[int]) -> dict[int, dict]:
+    out = {}
+    while set(out) != ids:
+        header, _ = raw.recv()
+        out[header["id"]] = header
+    return out
+
+
+def test_delete_and_reuse_while_a_get_copies_never_corrupts_the_reader(daemon_factory):
+    """A chunk deleted while its GET copy runs keeps its pages until the copy ends (doomed):
+    a PUT that wants those pages must not get them, whatever order the three requests land in."""
+    d = daemon_factory(cpu_bytes="48MiB", page_bytes="64KiB")
+    chunk, count = 4 * 1024**2 + 123, 8  # 520 of 768 pages: a second set cannot fit beside it
+    region = count * chunk
+    a, b = _Staging(2 * region), _Staging(region)
+    ra, rb = RawClient(d.address), RawClient(d.address)
+    try:
+        a.hello(ra)
+        b.hello(rb)
+        for round_ in range(4):
+            keys = [b"r%d-a%d" % (round_, i) for i in range(count)]
+            other = [b"r%d-b%d" % (round_, i) for i in range(count)]
+            data = os.urandom(region)
+            a.map[:region] = data
+            b.map[:region] = os.urandom(region)
+            _send(ra, 1, Op.PUT, items=[[k, i * chunk, chunk] for i, k in enumerate(keys)])
+            assert _replies(ra, {1})[1]["results"] == [Status.OK] * count
+            a.map[region:] = bytes([POISON]) * region
+            # GET (A) | DELETE then PUT into the freed room (B), all in flight together
+            _send(ra, 2, Op.GET, items=[[k, region + i * chunk, chunk] for i, k in enumerate(keys)])
+            _send(rb, 3, Op.DELETE, keys=keys)
+            _send(rb, 4, Op.PUT, items=[[k, i * chunk, chunk] for i, k in enumerate(other)])
+            got = _replies(ra, {2})[2]["results"]
+            b_replies = _replies(rb, {3, 4})
+            assert b_replies[3]["results"] == [Status.OK] * count, b_replies[3]
+            for i, status in enumerate(got):
+                piece = a.map[region + i * chunk: region + (i + 1) * chunk]
+                if status == Status.OK:
+                    assert piece == data[i * chunk:(i + 1) * chunk], \
+                        f"round {round_} item {i}: a GET hit returned other bytes"
+                else:
+                    assert status == Status.MISS and piece == bytes([POISON]) * chunk, (i, status)
+            assert set(b_replies[4]["results"]) <= {Status.OK, Status.NO_SPACE}, b_replies[4]
+            cpu = d.cpu()
+            assert cpu["doomed_chunks"] == 0 and cpu["used_bytes"] == cpu["committed_bytes"]
+            d.check()
+            _send(rb, 5, Op.DELETE, keys=other)
+            _replies(rb, {5})
+    finally:
+        ra.close()
+        rb.close()
+        a.close()
+        b.close()

@@ -48,7 +48,8 @@ def test_reference_layout_round_trips_into_other_blocks(daemon, path, page_bytes
     bpc = raw["blocks_per_chunk"]
     bpc = bpc if isinstance(bpc, list) else [bpc] * len(raw["groups"])
     file_tpc = [gr["tokens_per_block"] * n for gr, n in zip(raw["groups"], bpc)]
-    file_offloadable = [gr["tokens_per_block"] % raw["tokens_per_hash"] == 0 for gr in raw["groups"]]
+    file_offloadable = [gr["tokens_per_block"] % raw["tokens_per_hash"] == 0
+                        for gr in raw["groups"]]
     assert list(layout.tokens_per_chunk) == file_tpc
     assert list(layout.offloadable) == file_offloadable
     gen = torch.Generator().manual_seed(zlib.crc32(f"{path.stem}/{page_bytes}".encode()))

@@ -1,4 +1,5 @@
-"""Sessions end cleanly whatever the client does: kill -9, silence, another layout, a daemon restart."""
+"""Sessions end cleanly whatever the client does: kill -9, BYE mid-PUT, silence, another layout,
+a daemon restart."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def daemon_maps_staging_of(daemon: DaemonProcess, pid: int) -> list[str]:
 
 def run_script(tmp_path: Path, name: str, body: str, *args: str, wait: bool = True):
     script = tmp_path / name
-    script.write_text(f"import sys\nsys.path.insert(0, {str(TESTS_DIR)!r})\n" + textwrap.dedent(body))
+    prelude = f"import sys\nsys.path.insert(0, {str(TESTS_DIR)!r})\n"
+    script.write_text(prelude + textwrap.dedent(body))
     log = open(tmp_path / f"{name}.log", "wb")
     proc = subprocess.Popen([sys.executable, str(script), *args], stdout=log,
                             stderr=subprocess.STDOUT)
@@ -69,7 +71,7 @@ def run_script(tmp_path: Path, name: str, body: str, *args: str, wait: bool = Tr
     return proc
 
 
-# -- (a) kill -9 of a client in the middle of its PUTs -----------------------------------------------
+# -- (a) kill -9 of a client in the middle of its PUTs ---------------------------------------------
 
 WRITER = """
 import torch
@@ -196,6 +198,8 @@ def test_put_pipelined_before_bye_still_gets_a_reply(daemon):
                     replies[header["id"]] = header
         assert replies.get(1002, {}).get("status") == Status.OK, replies
         assert 1001 in replies, "the PUT sent before BYE was never answered"
+        # its copies were still running when BYE ended the session: nothing was stored
+        assert replies[1001]["results"] == [Status.NO_SESSION] * count, replies[1001]
     finally:
         buf.path.unlink(missing_ok=True)
         raw.close()
@@ -203,7 +207,7 @@ def test_put_pipelined_before_bye_still_gets_a_reply(daemon):
     daemon.check()
 
 
-# -- (b) a silent session is reaped and its leases released -----------------------------------------
+# -- (b) a silent session is reaped and its leases released ----------------------------------------
 
 def hello(raw: RawClient, namespace: str = "raw", fingerprint: str = "fp-raw") -> int:
     rep, _ = raw.request(Op.HELLO, namespace=namespace, rank=0, fingerprint=fingerprint,
@@ -294,7 +298,7 @@ def test_lease_expires_while_its_session_lives(daemon_factory):
         a.close()
 
 
-# -- (c) layouts never share chunks unless they are the same layout ---------------------------------
+# -- (c) layouts never share chunks unless they are the same layout --------------------------------
 
 BASE = dict(page_bytes=4096, layers=2, tokens_per_block=16, blocks_per_chunk=4, model="fp-model")
 VARIANTS = {
@@ -382,7 +386,7 @@ def test_same_layout_in_another_process_shares_chunks(daemon, tmp_path):
     daemon.check()
 
 
-# -- (d) the client outlives a daemon restart ---------------------------------------------------------
+# -- (d) the client outlives a daemon restart ------------------------------------------------------
 
 @pytest.mark.parametrize("how", ["sigterm-calls-while-down", "kill9-calls-while-down",
                                  "sigterm-idle"])
