@@ -25,6 +25,11 @@ _CONFIG_FLAGS = (
     ("--lease-timeout-s", "lease_timeout_s", "seconds a LOOKUP lease protects a chunk"),
     ("--copy-threads", "copy_threads", "threads copying between staging buffers and tiers"),
     ("--log-level", "log_level", "DEBUG, INFO, WARNING or ERROR"),
+    ("--nvme-dir", "nvme_dir", "directory of the NVMe tier"),
+    ("--nvme-bytes", "nvme_bytes", "capacity of the NVMe tier, e.g. 100GiB; 0 turns it off"),
+    ("--nvme-write-policy", "nvme_write_policy", "write-back (default) or write-through"),
+    ("--io-threads", "io_threads", "threads doing NVMe I/O"),
+    ("--cpu-persistent", "cpu_persistent", "true: keep the arena across restarts (warm restart)"),
 )
 
 

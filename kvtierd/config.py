@@ -38,6 +38,13 @@ def default_runtime_dir() -> Path:
     return Path(f"/tmp/kvtierd-{os.getuid()}")
 
 
+def default_state_dir() -> Path:
+    """Where persistent tiers live by default: $XDG_STATE_HOME/kvtierd or ~/.local/state/kvtierd."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "state")
+    return Path(base) / "kvtierd"
+
+
 def default_socket() -> str:
     return f"ipc://{default_runtime_dir() / 'kvtierd.sock'}"
 
@@ -57,6 +64,20 @@ class Config:
     # Touch every arena page at start: the first touch of fresh shm pages runs at ~1 GB/s, which
     # would otherwise land on the first PUTs.
     prefault: bool = True
+    # Keep the arena and its index in /dev/shm across restarts (warm restart); off: private arena,
+    # removed at exit.
+    cpu_persistent: bool = False
+    # Directory of the NVMe tier (data file, index, lock); one daemon per directory.
+    nvme_dir: str = field(default_factory=lambda: str(default_state_dir() / "nvme"))
+    # Capacity of the NVMe tier; 0 disables the tier.
+    nvme_bytes: int = 4 * 1024**3
+    # "write-back": chunks reach NVMe when the CPU tier evicts them; "write-through": every commit
+    # is also written to NVMe at once.
+    nvme_write_policy: str = "write-back"
+    # Threads doing NVMe reads/writes (bounded queue depth).
+    io_threads: int = 4
+    # Test-only: a JSON file naming errnos to inject into NVMe ops ({"write": "ENOSPC"}); empty = off.
+    nvme_fault_file: str = ""
     # Try to mlock the arena (needs RLIMIT_MEMLOCK); a refusal is a warning, not an error.
     mlock: bool = True
     # Eviction starts when used bytes pass high_watermark * capacity and stops at low_watermark.
@@ -99,7 +120,14 @@ class Config:
         return Path(self.socket[len("ipc://") :]) if self.socket.startswith("ipc://") else None
 
     def resolved_arena_name(self) -> str:
-        return self.arena_name or f"kvtierd-{os.getpid()}"
+        if self.arena_name:
+            return self.arena_name
+        # A persistent arena needs a name that survives the process: derive it from the socket.
+        if self.cpu_persistent:
+            import hashlib
+
+            return "kvtierd-" + hashlib.sha256(self.socket.encode()).hexdigest()[:16]
+        return f"kvtierd-{os.getpid()}"
 
     def public_dict(self) -> dict[str, Any]:
         """The config as plain values, with the auth token masked (for logs and check-config)."""
@@ -116,6 +144,7 @@ _SIZE_KEYS = {
     "max_frame_bytes",
     "max_inline_bytes",
     "max_staging_bytes",
+    "nvme_bytes",
 }
 _FIELD_TYPES = {f.name: f.type for f in fields(Config)}
 
@@ -175,7 +204,14 @@ def _validate(cfg: Config) -> None:
     for key in ("lease_timeout_s", "session_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, getattr(cfg, key), "a positive number of seconds")
-    for key in ("max_batch", "copy_threads", "max_header_bytes", "max_inline_bytes",
+    if cfg.nvme_write_policy not in ("write-back", "write-through"):
+        raise ConfigError("nvme_write_policy", cfg.nvme_write_policy, "write-back, write-through")
+    if cfg.nvme_bytes and cfg.nvme_bytes < cfg.page_bytes:
+        raise ConfigError("nvme_bytes", cfg.nvme_bytes, f"0 (off) or at least page_bytes "
+                          f"({cfg.page_bytes})")
+    if cfg.nvme_bytes and not cfg.nvme_dir:
+        raise ConfigError("nvme_dir", cfg.nvme_dir, "a directory (or nvme_bytes = 0)")
+    for key in ("io_threads", "max_batch", "copy_threads", "max_header_bytes", "max_inline_bytes",
                 "max_staging_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, getattr(cfg, key), "a positive integer")

@@ -142,7 +142,8 @@ def _start_daemon(args: argparse.Namespace) -> subprocess.Popen:
     for key, value in vars(args).items():
         if key in ("socket", "cpu_bytes", "page_bytes", "metrics_addr", "arena_name",
                    "eviction_policy", "session_timeout_s", "lease_timeout_s", "copy_threads",
-                   "log_level") and value is not None:
+                   "log_level", "nvme_dir", "nvme_bytes", "nvme_write_policy", "io_threads",
+                   "cpu_persistent") and value is not None:
             argv += [f"--{key.replace('_', '-')}", str(value)]
     return subprocess.Popen(argv)
 

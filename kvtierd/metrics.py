@@ -43,13 +43,20 @@ class TierCollector(Collector):
         evictions = CounterMetricFamily(
             "kvtierd_evictions", "Chunks evicted from a tier", labels=["tier"]
         )
+        direct = GaugeMetricFamily(
+            "kvtierd_nvme_direct_io", "1 when the NVMe tier uses O_DIRECT, 0 when buffered"
+        )
         for name, stats in self._tiers():
             capacity.add_metric([name], stats["capacity_bytes"])
             used.add_metric([name], stats["used_bytes"])
             chunks.add_metric([name, "ready"], stats["chunks"])
             chunks.add_metric([name, "pending"], stats["pending_chunks"])
             evictions.add_metric([name], stats.get("evictions", 0))
+            if "direct_io" in stats:
+                direct.add_metric([], stats["direct_io"])
         yield from (capacity, used, chunks, evictions)
+        if direct.samples:
+            yield direct
 
 
 class DaemonMetrics:
@@ -74,6 +81,22 @@ class DaemonMetrics:
         self.integrity_failures = Counter(
             "kvtierd_integrity_failures", "Chunks dropped because a check failed", ["tier"],
             registry=r,
+        )
+        self.demotions = Counter(
+            "kvtierd_demotions", "Chunks written from the CPU tier to the NVMe tier on eviction",
+            registry=r,
+        )
+        self.promotions = Counter(
+            "kvtierd_promotions", "Chunks read from the NVMe tier back into the CPU tier",
+            registry=r,
+        )
+        self.io_failures = Counter(
+            "kvtierd_io_failures", "Tier I/O operations that failed, by tier and errno",
+            ["tier", "reason"], registry=r,
+        )
+        self.io_latency = Histogram(
+            "kvtierd_nvme_io_duration_seconds", "NVMe job time (data + fdatasync + index)",
+            ["op"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.sessions = Gauge("kvtierd_sessions", "Client sessions alive", registry=r)
         self.sessions_closed = Counter(

@@ -39,10 +39,14 @@ from kvtierd.protocol import (
     reply,
     unpack,
 )
+from kvtierd.server.accounting import Accounting
+from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
+from kvtierd.server.movement import TierMover
 from kvtierd.server.sessions import SessionTable
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.cpu import CpuTier
+from kvtierd.tiers.nvme import NvmeTier
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +80,23 @@ class Daemon:
             self.arena, cfg.page_bytes, policy=cfg.eviction_policy,
             high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
         )
-        self.metrics.add_tiers(lambda: [(self.tier.name, self.tier.stats())])
+        self.nvme = self._open_nvme(cfg)
         self.engine = CopyEngine(cfg.copy_threads)
+        self.io_engine = CopyEngine(cfg.io_threads, inline_bytes=-1)  # disk I/O never inline
+        self.mover = TierMover(self.tier, self.nvme, self.io_engine, self.metrics,
+                               write_through=cfg.nvme_write_policy == "write-through")
+        self.metrics.add_tiers(self.mover.tier_stats)
         self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s)
-        self.handlers = OpHandlers(
-            cfg, self.tier, self.sessions, self.engine, self.metrics, self._send
-        )
+        accounting = Accounting(self.metrics)
+        self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting)
+        self.data = DataOps(cfg, self.mover, self.sessions, self.engine, self.metrics, accounting,
+                            self._send)
         self._dispatch: dict[Op, Callable[..., Any]] = {
             Op.PING: self.handlers.ping,
             Op.STATS: self.handlers.stats,
             Op.LOOKUP: self.handlers.lookup,
-            Op.PUT: self.handlers.put,
-            Op.GET: self.handlers.get,
+            Op.PUT: self.data.put,
+            Op.GET: self.data.get,
             Op.DELETE: self.handlers.delete,
             Op.BYE: self.handlers.bye,
             Op.CHECK: self.handlers.check,
@@ -96,6 +105,17 @@ class Daemon:
         self._probes: list[float] = []
         self.ctx: zmq.Context | None = None
         self.socket: zmq.Socket | None = None
+
+    @staticmethod
+    def _open_nvme(cfg: Config) -> NvmeTier | None:
+        if not cfg.nvme_bytes:
+            log.info("NVMe tier off (nvme_bytes = 0)")
+            return None
+        fault_file = Path(cfg.nvme_fault_file) if cfg.nvme_fault_file else None
+        if fault_file is not None:
+            log.warning("NVMe fault injection is ON (%s): a test setting", fault_file)
+        return NvmeTier(Path(cfg.nvme_dir), cfg.nvme_bytes, cfg.page_bytes,
+                        policy=cfg.eviction_policy, fault_file=fault_file)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -139,6 +159,7 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.engine.wake_fd, zmq.POLLIN)
+        poller.register(self.io_engine.wake_fd, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         next_tick = time.monotonic() + TICK_S
         while not self._stop.is_set():
@@ -146,6 +167,8 @@ class Daemon:
             events = dict(poller.poll(timeout_ms))
             if self.engine.wake_fd in events:
                 self._drain_completions()
+            if self.io_engine.wake_fd in events:
+                self._drain_io()
             if self.socket in events:
                 self._drain_requests()
             if self.monitor in events:
@@ -167,9 +190,16 @@ class Daemon:
     def _drain_completions(self) -> None:
         for context, result, error in self.engine.completions():
             try:
-                self.handlers.on_copy_done(context, result, error)
+                self.data.on_copy_done(context, result, error)
             except Exception:
                 log.exception("completing a copy failed")
+
+    def _drain_io(self) -> None:
+        for job, result, error in self.io_engine.completions():
+            try:
+                self.mover.on_io_done(job, result, error)
+            except Exception:
+                log.exception("completing an NVMe job failed")
 
     def _drain_monitor(self) -> None:
         while True:
@@ -200,6 +230,9 @@ class Daemon:
             self.metrics.sessions_closed.labels("timeout").inc()
         self.metrics.sessions.set(len(self.sessions))
         self.tier.enforce_watermarks()
+        self.mover.flush_deletions()
+        if self.data.waiting:
+            self.data.retry_parked()
 
     def _close_session(self, session: Any, reason: str) -> None:
         self.sessions.close(session, reason)
@@ -208,12 +241,16 @@ class Daemon:
 
     def _shutdown(self) -> None:
         log.info("kvtierd stopping")
-        deadline = time.monotonic() + 10.0
-        while self.engine.in_flight and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30.0
+        while (self.engine.in_flight or self.io_engine.in_flight) and time.monotonic() < deadline:
             time.sleep(0.01)
             self._drain_completions()
+            self._drain_io()
         self.sessions.close_all("daemon stopping")
         self.engine.close()
+        self.io_engine.close()
+        if self.nvme is not None:
+            self.nvme.close()
         if self.socket is not None:
             self.socket.disable_monitor()
             self.monitor.close(linger=0)

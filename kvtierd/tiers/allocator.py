@@ -23,6 +23,25 @@ class PageAllocator:
         self._starts: list[int] = [0]
         self._lengths: list[int] = [num_pages]
 
+    @classmethod
+    def from_used(cls, num_pages: int, used: list[Run]) -> PageAllocator:
+        """An allocator whose free pages are the gaps between ``used`` runs (recovery)."""
+        alloc = cls(num_pages)
+        alloc._starts, alloc._lengths = [], []
+        end = 0
+        for start, count in sorted(used):
+            if start < end or count <= 0 or start + count > num_pages:
+                raise ValueError(f"run ({start}, {count}) overlaps another or is out of range")
+            if start > end:
+                alloc._starts.append(end)
+                alloc._lengths.append(start - end)
+            end = start + count
+        if end < num_pages:
+            alloc._starts.append(end)
+            alloc._lengths.append(num_pages - end)
+        alloc.free_pages = sum(alloc._lengths)
+        return alloc
+
     def allocate(self, count: int) -> list[Run] | None:
         if count <= 0:
             raise ValueError(f"page count must be positive, got {count}")

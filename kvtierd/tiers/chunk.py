@@ -35,6 +35,9 @@ class ChunkEntry:
     ref_count: int = 0  # copies out of the pages in flight
     pin_count: int = 0  # leases held by sessions
     doomed: bool = False  # removed from the index while referenced
+    on_nvme: bool = False  # (CPU tier) the NVMe tier holds a durable copy: dropping it is free
+    demoting: bool = False  # (CPU tier) being written to NVMe; readable, leaves when durable
+    verified: bool = True  # False after a warm restart until a read re-checks the checksum
     pages: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +50,7 @@ class ChunkEntry:
             and not self.doomed
             and self.ref_count == 0
             and self.pin_count == 0
+            and not self.demoting
         )
 
 

@@ -40,6 +40,8 @@ class CpuTier:
         low_watermark: float = 0.90,
         on_evict: Callable[[ChunkEntry], None] | None = None,
     ) -> None:
+        """``demoter`` (set by the tier mover when an NVMe tier exists) is asked for every victim:
+        True means it started writing the chunk below, which then leaves via finish_demotion."""
         self.arena = arena
         self.page_bytes = page_bytes
         self.num_pages = arena.nbytes // page_bytes
@@ -49,6 +51,8 @@ class CpuTier:
         self.high_pages = int(self.num_pages * high_watermark)
         self.low_pages = int(self.num_pages * low_watermark)
         self.on_evict = on_evict
+        self.demoter: Callable[[ChunkEntry], bool] | None = None
+        self.demoting_pages = 0  # pages of chunks being demoted: free soon, not yet
         self.index: dict[Hashable, ChunkEntry] = {}
         self._doomed: set[ChunkEntry] = set()
         self.counters: Counter[str] = Counter()
@@ -79,7 +83,9 @@ class CpuTier:
             return Status.TOO_LARGE, None
         runs = self.allocator.allocate(pages)
         if runs is None:
-            self.evict(pages - self.allocator.free_pages, all_or_nothing=True)
+            # Pages already on their way out (demotions in flight) count as coming back.
+            needed = pages - self.allocator.free_pages - self.demoting_pages
+            self.evict(needed, all_or_nothing=True)
             runs = self.allocator.allocate(pages)
             if runs is None:
                 self.counters["reserve_no_space"] += 1
@@ -191,14 +197,23 @@ class CpuTier:
         if all_or_nothing and freed < pages_needed:
             return 0
         for entry in victims:
+            if self.demoter is not None and self.demoter(entry):
+                self.counters["demotions_started"] += 1
+                continue
             self._remove(entry)
             self.counters["evictions"] += 1
             if self.on_evict is not None:
                 self.on_evict(entry)
         return freed
 
+    def finish_demotion(self, entry: ChunkEntry) -> None:
+        """The chunk's NVMe copy is durable (or failed): it leaves the arena now."""
+        if self.index.get(entry.ikey) is entry:
+            self._remove(entry)
+            self.counters["evictions"] += 1
+
     def enforce_watermarks(self) -> int:
-        used = self.num_pages - self.allocator.free_pages
+        used = self.num_pages - self.allocator.free_pages - self.demoting_pages
         if used <= self.high_pages:
             return 0
         return self.evict(used - self.low_pages)
@@ -213,6 +228,7 @@ class CpuTier:
             "chunks": self.ready_chunks,
             "pending_chunks": self.pending_chunks,
             "doomed_chunks": len(self._doomed),
+            "demoting_bytes": self.demoting_pages * self.page_bytes,
             **{k: v for k, v in self.counters.items()},
         }
 

@@ -16,7 +16,8 @@ from kvtierd.protocol import Op
 
 class DaemonProcess:
     def __init__(self, workdir: Path, flags: list[str], cpu_bytes: str = "64MiB",
-                 page_bytes: str = "64KiB", env: dict | None = None) -> None:
+                 page_bytes: str = "64KiB", env: dict | None = None,
+                 nvme_bytes: str = "256MiB") -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.address = f"ipc://{workdir / 'kvtierd.sock'}"
@@ -24,7 +25,8 @@ class DaemonProcess:
         self.log_path = workdir / "daemon.log"
         self.flags = ["--socket", self.address, "--cpu-bytes", cpu_bytes, "--page-bytes",
                       page_bytes, "--metrics-addr", "127.0.0.1:0", "--arena-name",
-                      self.arena_name, *flags]
+                      self.arena_name, "--nvme-dir", str(workdir / "nvme"), "--nvme-bytes",
+                      nvme_bytes, *flags]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 

@@ -10,6 +10,7 @@ def test_demo_starts_daemon_verifies_and_stops(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "kvtierd", "demo", "--socket", f"ipc://{sock}",
          "--metrics-addr", "127.0.0.1:0", "--cpu-bytes", "256MiB", "--tokens", "1500",
+         "--nvme-dir", str(tmp_path / "nvme"), "--nvme-bytes", "256MiB",
          "--requests", "2"],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -30,6 +31,7 @@ def test_demo_fails_when_daemon_cannot_start(tmp_path):
     bad.write_text("x")
     result = subprocess.run(
         [sys.executable, "-m", "kvtierd", "demo", "--socket", f"ipc://{bad}/d.sock",
-         "--metrics-addr", "off"], capture_output=True, text=True, timeout=120)
+         "--metrics-addr", "off", "--nvme-bytes", "0"], capture_output=True, text=True,
+        timeout=120)
     assert result.returncode != 0
     assert not Path(f"{bad}/d.sock").exists()

@@ -1,4 +1,5 @@
-"""A small CPU tier under pressure: LRU eviction, leases, and chunks that can never fit.
+"""A small CPU tier (no NVMe tier below it) under pressure: LRU eviction, leases, and chunks
+that can never fit.
 
 4 MiB tier of 64 KiB pages = 64 pages; a chunk here is 2 layers x 4 blocks x 16000 bytes = 128000
 bytes = 2 pages. Every hit must be byte-exact and every miss must leave its blocks untouched.
@@ -38,7 +39,7 @@ BLOCKS_PER_PROMPT = 100
 
 
 def small_tier(daemon_factory):
-    d = daemon_factory(cpu_bytes="4MiB", page_bytes="64KiB")
+    d = daemon_factory(cpu_bytes="4MiB", page_bytes="64KiB", nvme_bytes="0")
     assert d.cpu()["capacity_bytes"] == 64 * 64 * 1024
     return d
 
@@ -207,7 +208,7 @@ def _replies(raw: RawClient, ids: set[int]) -> dict[int, dict]:
 def test_delete_and_reuse_while_a_get_copies_never_corrupts_the_reader(daemon_factory):
     """A chunk deleted while its GET copy runs keeps its pages until the copy ends (doomed):
     a PUT that wants those pages must not get them, whatever order the three requests land in."""
-    d = daemon_factory(cpu_bytes="48MiB", page_bytes="64KiB")
+    d = daemon_factory(cpu_bytes="48MiB", page_bytes="64KiB", nvme_bytes="0")
     chunk, count = 4 * 1024**2 + 123, 8  # 520 of 768 pages: a second set cannot fit beside it
     region = count * chunk
     a, b = _Staging(2 * region), _Staging(region)

@@ -40,7 +40,7 @@ def total(samples, name: str, **labels: str) -> float:
 
 
 def test_metrics_agree_with_the_workload_and_stats(daemon_factory):
-    d = daemon_factory(cpu_bytes="4MiB", page_bytes="64KiB")
+    d = daemon_factory(cpu_bytes="4MiB", page_bytes="64KiB", nvme_bytes="0")
     layout = simple_layout(page_bytes=16000, layers=2, blocks_per_chunk=4, model="metrics")
     chunk_bytes = layout.chunk_nbytes(0)
     gen = torch.Generator().manual_seed(51)

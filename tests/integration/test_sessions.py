@@ -237,7 +237,8 @@ def fill(raw: RawClient, prefix: bytes, count: int, nbytes: int, keep_alive=None
 
 
 def test_silent_session_is_reaped_and_its_leases_released(daemon_factory):
-    d = daemon_factory("--session-timeout-s", "1", cpu_bytes="1MiB", page_bytes="64KiB")
+    d = daemon_factory("--session-timeout-s", "1", cpu_bytes="1MiB", page_bytes="64KiB",
+                       nvme_bytes="0")
     page = 64 * 1024
     a, b, c = RawClient(d.address), RawClient(d.address), RawClient(d.address)
     try:
@@ -281,7 +282,8 @@ def test_silent_session_is_reaped_and_its_leases_released(daemon_factory):
 
 
 def test_lease_expires_while_its_session_lives(daemon_factory):
-    d = daemon_factory("--lease-timeout-s", "0.5", cpu_bytes="1MiB", page_bytes="64KiB")
+    d = daemon_factory("--lease-timeout-s", "0.5", cpu_bytes="1MiB", page_bytes="64KiB",
+                       nvme_bytes="0")
     page = 64 * 1024
     a = RawClient(d.address)
     try:

@@ -225,6 +225,7 @@ def test_stats_match(tier):
         "chunks": 1,
         "pending_chunks": 1,
         "doomed_chunks": 0,
+        "demoting_bytes": 0,
         "commits": 2,
         "deletes": 1,
     }

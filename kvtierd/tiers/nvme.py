@@ -1,0 +1,326 @@
+"""The NVMe tier: chunks in a preallocated file, indexed in SQLite, moved by I/O threads.
+
+Bookkeeping (this class) runs on the daemon's loop thread; the byte-moving ``*_job`` callables it
+returns run on I/O threads and touch only the data file, the arena pages they were given and the
+index database (which serialises itself).
+
+Lifecycle of a chunk here: ``reserve`` (WRITING: pages allocated, invisible) → the write job writes
+the pages, ``fdatasync``s them and only then inserts the index row → ``commit`` (READY) | ``abort``.
+Leaving (LRU eviction, DELETE, integrity failure) removes the chunk from the in-memory index at
+once; its pages return to the allocator only after the delete job committed the row's removal, so
+no page is rewritten while a durable row still names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Hashable
+
+from kvtierd.copy import memcpy
+from kvtierd.eviction import make_policy
+from kvtierd.protocol import Status
+from kvtierd.tiers.allocator import PageAllocator, Run
+from kvtierd.tiers.arena import Arena
+from kvtierd.tiers.chunk import ChunkEntry, ChunkState
+from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
+from kvtierd.tiers.nvme_file import (
+    DataFile,
+    FaultInjector,
+    lock_directory,
+    probe_direct_io,
+)
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "index.sqlite"
+RECOVERY_LOG_EVERY = 10000
+
+
+class IntegrityError(Exception):
+    """Bytes read back do not match the checksum recorded when the chunk was committed."""
+
+
+class NvmeTier:
+    name = "nvme"
+
+    def __init__(
+        self,
+        directory: Path,
+        nbytes: int,
+        page_bytes: int,
+        *,
+        policy: str = "lru",
+        fault_file: Path | None = None,
+        on_status: Callable[[str], None] | None = None,
+    ) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.page_bytes = page_bytes
+        self._lock_fd = lock_directory(directory)
+        self.direct_io = probe_direct_io(directory, page_bytes)
+        if not self.direct_io:
+            log.warning("O_DIRECT is refused in %s; using buffered I/O with fdatasync", directory)
+        data = DataFile(directory, nbytes, page_bytes, self.direct_io)
+        self.file: DataFile | FaultInjector = (
+            FaultInjector(data, fault_file) if fault_file is not None else data
+        )
+        self.num_pages = data.num_pages
+        self.capacity_bytes = self.num_pages * page_bytes
+        self.db = ChunkIndexDB(
+            directory / INDEX_NAME,
+            {"page_bytes": str(page_bytes), "nvme_bytes": str(self.capacity_bytes)},
+        )
+        if self.db.reset_reason:
+            log.warning("NVMe index reset, its chunks are dropped (%s)", self.db.reset_reason)
+        self.policy = make_policy(policy)
+        self.index: dict[Hashable, ChunkEntry] = {}
+        self.counters: Counter[str] = Counter()
+        self.pending_free_pages = 0
+        self._doomed: set[ChunkEntry] = set()
+        self._to_free: list[ChunkEntry] = []  # left the index; rows to delete, then pages to free
+        self.on_drop: Callable[[ChunkEntry], None] = lambda entry: None
+        self._recover(on_status or (lambda _: None))
+
+    # -- start-up ----------------------------------------------------------------------------------
+    def _recover(self, status: Callable[[str], None]) -> None:
+        started = time.monotonic()
+        total = self.db.count()
+        used: list[Run] = []
+        bad: list = []
+        for n, row in enumerate(self.db.rows(), 1):
+            pages = sum(c for _, c in row.runs)
+            if pages != max(1, -(-row.nbytes // self.page_bytes)) or any(
+                s + c > self.num_pages for s, c in row.runs
+            ):
+                bad.append(row.ikey)
+                continue
+            entry = ChunkEntry(ikey=row.ikey, fingerprint=row.fingerprint, nbytes=row.nbytes,
+                               runs=row.runs, owner=0, state=ChunkState.READY,
+                               checksum=row.checksum)
+            self.index[row.ikey] = entry
+            self.policy.insert(row.ikey)
+            used.extend(row.runs)
+            if n % RECOVERY_LOG_EVERY == 0:
+                msg = f"recovering NVMe index: {n}/{total} chunks"
+                log.info("%s", msg)
+                status(msg)
+        try:
+            self.allocator = PageAllocator.from_used(self.num_pages, used)
+        except ValueError as exc:  # overlapping rows: the index cannot be trusted
+            log.error("NVMe index names overlapping pages (%s); dropping all %d chunks", exc,
+                      len(self.index))
+            bad.extend(self.index)
+            self.index.clear()
+            self.policy = make_policy("lru")
+            self.allocator = PageAllocator(self.num_pages)
+        if bad:
+            self.db.delete(bad)
+            log.warning("dropped %d NVMe index rows that named impossible pages", len(bad))
+        log.info("NVMe tier %s: %d chunks recovered in %.2f s (O_DIRECT=%s)", self.directory,
+                 len(self.index), time.monotonic() - started, self.direct_io)
+
+    # -- sizes -------------------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return (self.num_pages - self.allocator.free_pages) * self.page_bytes
+
+    def pages_for(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.page_bytes))
+
+    # -- writes (demotion, write-through) ----------------------------------------------------------
+    def reserve(self, ikey: Hashable, fingerprint: str, nbytes: int, checksum: bytes
+                ) -> ChunkEntry | None:
+        if ikey in self.index:
+            return None
+        pages = self.pages_for(nbytes)
+        if pages > self.num_pages:
+            return None
+        runs = self.allocator.allocate(pages)
+        if runs is None:
+            self.evict(pages - self.allocator.free_pages)
+            runs = self.allocator.allocate(pages)
+            if runs is None:
+                self.counters["reserve_no_space"] += 1
+                return None
+        entry = ChunkEntry(ikey=ikey, fingerprint=fingerprint, nbytes=nbytes, runs=runs, owner=0,
+                           checksum=checksum)
+        self.index[ikey] = entry
+        return entry
+
+    def write_job(self, entry: ChunkEntry, arena: Arena, src_runs: list[Run]) -> Callable[[], int]:
+        """Copy ``src_runs`` arena pages into the entry's pages, make them durable, index them."""
+        row = IndexRow(entry.ikey[0][0], entry.ikey[0][1], entry.ikey[1], entry.fingerprint,
+                       entry.nbytes, entry.checksum, entry.runs)
+
+        def job() -> int:
+            for page, views in _transfers(entry.runs, src_runs, arena, self.page_bytes):
+                self.file.write(page, views)
+            self.file.sync()  # data durable before the row that names it
+            self.db.insert([row])
+            return entry.pages * self.page_bytes
+
+        return job
+
+    def commit(self, entry: ChunkEntry) -> None:
+        entry.state = ChunkState.READY
+        self.policy.insert(entry.ikey)
+        self.counters["writes"] += 1
+
+    def abort(self, entry: ChunkEntry) -> None:
+        if self.index.get(entry.ikey) is entry:
+            del self.index[entry.ikey]
+        self.allocator.free(entry.runs)
+        self.counters["write_failures"] += 1
+
+    # -- reads (promotion) -------------------------------------------------------------------------
+    def lookup(self, ikey: Hashable, fingerprint: str) -> tuple[Status, ChunkEntry | None]:
+        entry = self.index.get(ikey)
+        if entry is None or entry.state is not ChunkState.READY:
+            return Status.MISS, None
+        if entry.fingerprint != fingerprint:
+            self.counters["layout_mismatch"] += 1
+            return Status.LAYOUT_MISMATCH, None
+        self.policy.touch(ikey)
+        return Status.OK, entry
+
+    def read_job(self, entry: ChunkEntry, arena: Arena, dst_runs: list[Run],
+                 dst_segments: list[tuple[int, int]]) -> Callable[[], int]:
+        """Read the entry's pages into ``dst_runs`` of the arena and verify the checksum."""
+
+        def job() -> int:
+            for page, views in _transfers(entry.runs, dst_runs, arena, self.page_bytes):
+                self.file.read(page, views)
+            if memcpy.checksum(arena.view, dst_segments) != entry.checksum:
+                raise IntegrityError(f"chunk {entry.ikey!r}: checksum mismatch on NVMe read")
+            return entry.nbytes
+
+        return job
+
+    def acquire(self, entry: ChunkEntry) -> None:
+        entry.ref_count += 1
+
+    def release(self, entry: ChunkEntry) -> None:
+        entry.ref_count -= 1
+        if entry.doomed and entry.ref_count == 0:
+            self._doomed.discard(entry)
+            self._schedule_free(entry)
+
+    # -- removal -----------------------------------------------------------------------------------
+    def drop(self, entry: ChunkEntry) -> None:
+        """Remove a READY chunk from the index now; its pages come back via ``delete_job``."""
+        del self.index[entry.ikey]
+        self.policy.remove(entry.ikey)
+        self.on_drop(entry)
+        if entry.ref_count:
+            entry.doomed = True
+            self._doomed.add(entry)
+        else:
+            self._schedule_free(entry)
+
+    def _schedule_free(self, entry: ChunkEntry) -> None:
+        self.pending_free_pages += entry.pages
+        self._to_free.append(entry)
+        self.counters["drops"] += 1
+
+    def take_deletions(self) -> list[ChunkEntry] | None:
+        """Chunks whose rows must be deleted before their pages are freed (for one delete job)."""
+        if not self._to_free:
+            return None
+        batch, self._to_free = self._to_free, []
+        return batch
+
+    def delete_job(self, entries: list[ChunkEntry]) -> Callable[[], None]:
+        ikeys = [e.ikey for e in entries]
+        return lambda: self.db.delete(ikeys)
+
+    def deleted(self, entries: list[ChunkEntry]) -> None:
+        for entry in entries:
+            self.allocator.free(entry.runs)
+            self.pending_free_pages -= entry.pages
+
+    def evict(self, pages_needed: int) -> int:
+        freed = 0
+        victims = []
+        for ikey in self.policy.victims():
+            entry = self.index[ikey]
+            if not entry.evictable:
+                continue
+            victims.append(entry)
+            freed += entry.pages
+            if freed >= pages_needed:
+                break
+        for entry in victims:
+            self.drop(entry)
+            self.counters["evictions"] += 1
+        return freed
+
+    def delete(self, ikey: Hashable) -> Status:
+        entry = self.index.get(ikey)
+        if entry is None:
+            return Status.MISS
+        if entry.state is not ChunkState.READY:
+            return Status.BUSY
+        self.drop(entry)
+        return Status.OK
+
+    # -- introspection -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        ready = [e for e in self.index.values() if e.state is ChunkState.READY]
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "committed_bytes": sum(e.pages for e in ready) * self.page_bytes,
+            "chunks": len(ready),
+            "pending_chunks": len(self.index) - len(ready),
+            "direct_io": int(self.direct_io),
+            **self.counters,
+        }
+
+    def check_invariants(self) -> None:
+        self.allocator.check_invariants()
+        owned = [r for e in self.index.values() for r in e.runs]
+        owned += [r for e in self._doomed for r in e.runs]
+        owned += [r for e in self._to_free for r in e.runs if not e.doomed]
+        owned += self.allocator.free_runs()
+        owned.sort()
+        end = 0
+        for start, count in owned:
+            assert start >= end, f"NVMe pages {start}.. owned twice"
+            end = start + count
+        assert end <= self.num_pages
+        ready = {k for k, e in self.index.items() if e.state is ChunkState.READY}
+        assert len(self.policy) == len(ready), "NVMe policy and READY chunks disagree"
+
+    def close(self) -> None:
+        self.file.close()
+        self.db.close()
+        os.close(self._lock_fd)
+
+
+def _transfers(file_runs: list[Run], arena_runs: list[Run], arena: Arena, page_bytes: int):
+    """Pair file pages with arena pages (the i-th page of one with the i-th of the other): yields
+    ``(first file page, [arena views])`` per file run, for one preadv/pwritev each."""
+    arena_pages = [p for start, count in arena_runs for p in range(start, start + count)]
+    i = 0
+    for start, count in file_runs:
+        views = _merge(arena.view, arena_pages[i:i + count], page_bytes)
+        i += count
+        yield start, views
+
+
+def _merge(view: memoryview, pages: list[int], page_bytes: int) -> list[memoryview]:
+    """Views of consecutive arena pages, merged into as few contiguous views as possible."""
+    out = []
+    run_start = prev = pages[0]
+    for page in pages[1:] + [None]:
+        if page is not None and page == prev + 1:
+            prev = page
+            continue
+        out.append(view[run_start * page_bytes:(prev + 1) * page_bytes])
+        if page is not None:
+            run_start = prev = page
+    return out

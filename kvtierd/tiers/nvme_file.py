@@ -1,0 +1,141 @@
+"""The NVMe tier's data file: preallocated, page-addressed, O_DIRECT where the file system allows.
+
+Pages have the arena's size (a multiple of 4096), and every transfer moves whole pages between the
+file and the (page-aligned) arena, so O_DIRECT's alignment rules hold by construction and the page
+cache is bypassed. O_DIRECT is probed at start on a scratch file: where the file system refuses it
+(tmpfs, some overlay setups) the tier falls back to buffered I/O plus ``fdatasync`` and says so in a
+warning and in the ``kvtierd_nvme_direct_io`` metric.
+
+``FaultInjector`` wraps a DataFile for tests: it reads a small JSON file before each operation and
+raises the errno it names (ENOSPC, EIO, ENOENT), so a test can break the disk of a running daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import mmap
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DATA_NAME = "chunks.data"
+LOCK_NAME = "kvtierd.lock"
+
+
+class DirectoryInUse(RuntimeError):
+    pass
+
+
+def lock_directory(directory: Path) -> int:
+    """Hold an exclusive lock on ``directory`` so two daemons never share one NVMe tier."""
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DirectoryInUse(f"{directory} is in use by another kvtierd (flock on {LOCK_NAME})")
+    return fd
+
+
+def probe_direct_io(directory: Path, page_bytes: int) -> bool:
+    """Whether O_DIRECT aligned writes and reads work in ``directory``."""
+    path = directory / ".direct-io-probe"
+    buf = mmap.mmap(-1, page_bytes)
+    buf.write(os.urandom(page_bytes))
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        os.pwritev(fd, [buf], 0)
+        back = mmap.mmap(-1, page_bytes)
+        os.preadv(fd, [back], 0)
+        return back[:] == buf[:]
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+class DataFile:
+    """``num_pages`` pages of ``page_bytes`` in one preallocated file."""
+
+    def __init__(self, directory: Path, nbytes: int, page_bytes: int, direct: bool) -> None:
+        self.path = directory / DATA_NAME
+        self.page_bytes = page_bytes
+        self.num_pages = nbytes // page_bytes
+        self.direct = direct
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        self.fd = os.open(self.path, flags, 0o600)
+        size = self.num_pages * page_bytes
+        if os.fstat(self.fd).st_size != size:
+            os.ftruncate(self.fd, size)
+        try:
+            os.posix_fallocate(self.fd, 0, size)  # reserve the blocks now: ENOSPC at start, not later
+        except OSError as exc:
+            if exc.errno != errno.EOPNOTSUPP and exc.errno != errno.EINVAL:
+                os.close(self.fd)
+                raise
+
+    def write(self, page: int, views: list[memoryview]) -> None:
+        """Write ``views`` (whole pages, page-aligned memory) starting at ``page``."""
+        expected = sum(len(v) for v in views)
+        done = os.pwritev(self.fd, views, page * self.page_bytes)
+        if done != expected:
+            raise OSError(errno.EIO, f"short write: {done} of {expected} bytes at page {page}")
+
+    def read(self, page: int, views: list[memoryview]) -> None:
+        expected = sum(len(v) for v in views)
+        done = os.preadv(self.fd, views, page * self.page_bytes)
+        if done != expected:
+            raise OSError(errno.EIO, f"short read: {done} of {expected} bytes at page {page}")
+
+    def sync(self) -> None:
+        os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class FaultInjector:
+    """Test-only wrapper: before each op, raise the errno named in ``fault_file`` for that op.
+
+    ``fault_file`` holds JSON such as ``{"write": "ENOSPC", "read": "EIO", "sync": "EIO"}``;
+    a missing file or op means no fault.
+    """
+
+    def __init__(self, inner: DataFile, fault_file: Path) -> None:
+        self.inner = inner
+        self.fault_file = fault_file
+        self.path, self.page_bytes, self.num_pages = inner.path, inner.page_bytes, inner.num_pages
+        self.direct = inner.direct
+
+    def _maybe_fail(self, op: str) -> None:
+        try:
+            faults = json.loads(self.fault_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return
+        name = faults.get(op)
+        if name:
+            code = getattr(errno, name)
+            raise OSError(code, f"injected {name} on {op}: {os.strerror(code)}")
+
+    def write(self, page: int, views: list[memoryview]) -> None:
+        self._maybe_fail("write")
+        self.inner.write(page, views)
+
+    def read(self, page: int, views: list[memoryview]) -> None:
+        self._maybe_fail("read")
+        self.inner.read(page, views)
+
+    def sync(self) -> None:
+        self._maybe_fail("sync")
+        self.inner.sync()
+
+    def close(self) -> None:
+        self.inner.close()
