@@ -44,7 +44,8 @@ from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
 from kvtierd.server.movement import TierMover
 from kvtierd.server.sessions import SessionTable
-from kvtierd.tiers.arena import Arena
+from kvtierd.tiers.arena import SHM_DIR, Arena
+from kvtierd.tiers.index_db import ChunkIndexDB
 from kvtierd.tiers.cpu import CpuTier
 from kvtierd.tiers.nvme import NvmeTier
 
@@ -68,19 +69,35 @@ class Daemon:
         self.metrics = DaemonMetrics()
         self.metrics.info.labels(__version__, str(PROTOCOL_VERSION)).set(1)
         started = time.perf_counter()
+        if cfg.ipc_path is not None:
+            cfg.ipc_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _claim_ipc_path(cfg.ipc_path)  # before touching a persistent arena another one uses
         self.arena = Arena(
-            cfg.resolved_arena_name(), cfg.cpu_bytes, prefault=cfg.prefault, lock=cfg.mlock
+            cfg.resolved_arena_name(), cfg.cpu_bytes, prefault=cfg.prefault, lock=cfg.mlock,
+            persistent=cfg.cpu_persistent,
         )
         log.info(
             "arena /dev/shm/%s: %d bytes mapped in %.2f s (prefault=%s, mlocked=%s)",
             self.arena.name, cfg.cpu_bytes, time.perf_counter() - started, cfg.prefault,
             self.arena.locked,
         )
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.arena.close(unlink=not cfg.cpu_persistent)
+            raise
+
+    def _build(self, cfg: Config) -> None:
         self.tier = CpuTier(
             self.arena, cfg.page_bytes, policy=cfg.eviction_policy,
             high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
         )
+        self._attach_arena_index(cfg)
         self.nvme = self._open_nvme(cfg)
+        if self.nvme is not None:
+            for ikey, entry in self.tier.index.items():  # warm restart: which copies are clean
+                below = self.nvme.index.get(ikey)
+                entry.on_nvme = below is not None and below.checksum == entry.checksum
         self.engine = CopyEngine(cfg.copy_threads)
         self.io_engine = CopyEngine(cfg.io_threads, inline_bytes=-1)  # disk I/O never inline
         self.mover = TierMover(self.tier, self.nvme, self.io_engine, self.metrics,
@@ -105,6 +122,18 @@ class Daemon:
         self._probes: list[float] = []
         self.ctx: zmq.Context | None = None
         self.socket: zmq.Socket | None = None
+
+    def _attach_arena_index(self, cfg: Config) -> None:
+        if not cfg.cpu_persistent:
+            return
+        db = ChunkIndexDB(
+            SHM_DIR / f"{self.arena.name}.index",
+            {"page_bytes": str(cfg.page_bytes), "cpu_bytes": str(cfg.cpu_bytes)},
+            synchronous="NORMAL",  # tmpfs: survives a daemon crash, not a reboot (nor does the arena)
+        )
+        recovered = self.tier.attach_index(db, self.arena.attached)
+        log.info("persistent arena %s: %s, %d chunks re-attached (checked on first read)",
+                 self.arena.path, "re-attached" if self.arena.attached else "new", recovered)
 
     @staticmethod
     def _open_nvme(cfg: Config) -> NvmeTier | None:
@@ -139,10 +168,6 @@ class Daemon:
             self._shutdown()
 
     def _bind(self) -> None:
-        path = self.cfg.ipc_path
-        if path is not None:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _claim_ipc_path(path)
         self.ctx = zmq.Context()
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -260,7 +285,9 @@ class Daemon:
         if self.ctx is not None:
             self.ctx.term()
         self.metrics.close()
-        self.arena.close(unlink=True)
+        if self.tier.db is not None:
+            self.tier.db.close()
+        self.arena.close(unlink=not self.cfg.cpu_persistent)
         log.info("kvtierd stopped")
 
     # -- requests --------------------------------------------------------------------------------

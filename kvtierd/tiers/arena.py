@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import logging
 import mmap
 import os
@@ -26,21 +27,37 @@ _libc.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 class Arena:
     """A mapped shared-memory region of ``nbytes`` bytes with a stable base address."""
 
-    def __init__(self, name: str, nbytes: int, *, prefault: bool = True, lock: bool = True):
+    def __init__(self, name: str, nbytes: int, *, prefault: bool = True, lock: bool = True,
+                 persistent: bool = False):
+        """A private arena must not exist yet; a ``persistent`` one is re-attached when a file of
+        the same size is there (``self.attached``), else created fresh."""
         self.name = name
         self.nbytes = nbytes
         self.path = SHM_DIR / name
         self.locked = False
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self.attached = False
+        if persistent and self.path.exists() and self.path.stat().st_size != nbytes:
+            log.warning("arena %s has %d bytes, the config says %d: starting it cold", self.path,
+                        self.path.stat().st_size, nbytes)
+            self.path.unlink()
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (0 if persistent else os.O_EXCL)
+        fd = os.open(self.path, flags, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one daemon per arena
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(f"arena {self.path} is in use by another kvtierd") from None
+        try:
+            self.attached = os.fstat(fd).st_size == nbytes
             os.ftruncate(fd, nbytes)
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
             self._mmap = mmap.mmap(fd, nbytes, flags=flags)
         except BaseException:
             os.close(fd)
-            self.path.unlink(missing_ok=True)
+            if not self.attached:
+                self.path.unlink(missing_ok=True)
             raise
-        os.close(fd)
+        self._fd = fd  # holds the flock for the daemon's lifetime
         self._anchor = ctypes.c_char.from_buffer(self._mmap)
         self.address = ctypes.addressof(self._anchor)
         self.view = memoryview(self._mmap)
@@ -69,3 +86,4 @@ class Arena:
         self._mmap.close()
         if unlink:
             self.path.unlink(missing_ok=True)
+        os.close(self._fd)

@@ -23,6 +23,7 @@ from kvtierd.protocol import Status
 from kvtierd.tiers.allocator import PageAllocator
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments
+from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class CpuTier:
         self.low_pages = int(self.num_pages * low_watermark)
         self.on_evict = on_evict
         self.demoter: Callable[[ChunkEntry], bool] | None = None
+        # With a persistent arena: its crash-safe index (rows written at commit, deleted before
+        # pages are reused). None: a private arena that dies with the process.
+        self.db: ChunkIndexDB | None = None
         self.demoting_pages = 0  # pages of chunks being demoted: free soon, not yet
         self.index: dict[Hashable, ChunkEntry] = {}
         self._doomed: set[ChunkEntry] = set()
@@ -107,8 +111,44 @@ class CpuTier:
         self.policy.touch(entry.ikey)
         return Status.EXISTS
 
+    def attach_index(self, db: ChunkIndexDB, attached: bool) -> int:
+        """Make the tier persistent; if the arena was re-attached, re-index its chunks (they are
+        re-verified on first read). Returns the number of chunks recovered."""
+        self.db = db
+        if not attached or db.reset_reason:
+            db.delete([row.ikey for row in db.rows()])
+            return 0
+        used = []
+        for row in db.rows():
+            entry = ChunkEntry(ikey=row.ikey, fingerprint=row.fingerprint, nbytes=row.nbytes,
+                               runs=row.runs, owner=0, state=ChunkState.READY,
+                               checksum=row.checksum, verified=False)
+            if entry.pages != self.pages_for(row.nbytes):
+                continue
+            self.index[row.ikey] = entry
+            used.extend(row.runs)
+        try:
+            self.allocator = PageAllocator.from_used(self.num_pages, used)
+        except ValueError as exc:
+            log.error("arena index names overlapping pages (%s); starting cold", exc)
+            db.delete(list(self.index))
+            self.index.clear()
+            return 0
+        stale = [row.ikey for row in db.rows() if row.ikey not in self.index]
+        if stale:
+            db.delete(stale)
+        for entry in self.index.values():
+            self.policy.insert(entry.ikey)
+            self.ready_chunks += 1
+            self.ready_pages += entry.pages
+        return len(self.index)
+
     def commit(self, entry: ChunkEntry, checksum: bytes) -> None:
         assert entry.state is ChunkState.PENDING and self.index.get(entry.ikey) is entry
+        if self.db is not None:  # durable before the PUT is answered
+            ns, rank = entry.ikey[0]
+            self.db.insert([IndexRow(ns, rank, entry.ikey[1], entry.fingerprint, entry.nbytes,
+                                     checksum, entry.runs)])
         entry.state = ChunkState.READY
         entry.checksum = checksum
         self.pending_chunks -= 1
@@ -166,6 +206,8 @@ class CpuTier:
         return Status.OK
 
     def _remove(self, entry: ChunkEntry) -> None:
+        if self.db is not None:  # the row goes before its pages can be reused
+            self.db.delete([entry.ikey])
         del self.index[entry.ikey]
         self.policy.remove(entry.ikey)
         self.ready_chunks -= 1

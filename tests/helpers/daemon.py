@@ -67,16 +67,35 @@ class DaemonProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def kill9(self) -> None:
+    @property
+    def persistent(self) -> bool:
+        return "--cpu-persistent" in self.flags
+
+    def shm_files(self) -> list[Path]:
+        """The arena and (persistent arenas) its index files in /dev/shm."""
+        return sorted(Path("/dev/shm").glob(f"{self.arena_name}*"))
+
+    def kill9(self, keep_arena: bool = False) -> None:
+        """SIGKILL the daemon; unless ``keep_arena`` (a warm restart follows), remove its arena."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
-        Path(f"/dev/shm/{self.arena_name}").unlink(missing_ok=True)
+        self._log.close()
+        if not keep_arena:
+            for path in self.shm_files():
+                path.unlink(missing_ok=True)
+
+    def restart(self) -> None:
+        """Start a new daemon process with the same flags, socket, arena name and NVMe dir."""
+        assert self.proc is None or self.proc.poll() is not None, "still running"
+        self.start()
 
     def stop_and_verify(self) -> None:
         """SIGTERM; the daemon must still be alive, pass CHECK, exit 0 and remove its arena."""
         if self.proc is None or self.proc.poll() is not None:
             self._log.close()
+            for path in self.shm_files():  # a killed daemon's arena
+                path.unlink(missing_ok=True)
             return
         try:
             self.check()
@@ -85,5 +104,8 @@ class DaemonProcess:
             code = self.proc.wait(timeout=20)
             self._log.close()
         assert code == 0, f"kvtierd exited with {code}:\n{self.log()}"
+        if self.persistent:  # kept on purpose for the next start; the test is over
+            for path in self.shm_files():
+                path.unlink(missing_ok=True)
         assert not Path(f"/dev/shm/{self.arena_name}").exists(), "arena left in /dev/shm"
         assert "Traceback" not in self.log(), self.log()
