@@ -23,6 +23,7 @@ Completion = tuple[Any, Any, BaseException | None]
 
 class CopyEngine:
     def __init__(self, threads: int, inline_bytes: int = 256 * 1024) -> None:
+        self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtierd-copy")
         self._done: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)

@@ -198,6 +198,7 @@ class Daemon:
                 self._drain_requests()
             if self.monitor in events:
                 self._drain_monitor()
+            self.mover.flush()  # writes and deletes queued by what was just handled
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + TICK_S
@@ -255,7 +256,7 @@ class Daemon:
             self.metrics.sessions_closed.labels("timeout").inc()
         self.metrics.sessions.set(len(self.sessions))
         self.tier.enforce_watermarks()
-        self.mover.flush_deletions()
+        self.mover.flush()
         if self.data.waiting:
             self.data.retry_parked()
 
@@ -267,10 +268,12 @@ class Daemon:
     def _shutdown(self) -> None:
         log.info("kvtierd stopping")
         deadline = time.monotonic() + 30.0
+        self.mover.flush()
         while (self.engine.in_flight or self.io_engine.in_flight) and time.monotonic() < deadline:
             time.sleep(0.01)
             self._drain_completions()
             self._drain_io()
+            self.mover.flush()
         self.sessions.close_all("daemon stopping")
         self.engine.close()
         self.io_engine.close()

@@ -31,11 +31,17 @@ from kvtierd.tiers.nvme import IntegrityError, NvmeTier
 log = logging.getLogger(__name__)
 
 
+#: Writes queued during one loop iteration are flushed as jobs of about this many bytes, so that
+#: many small chunks share one fdatasync and one index transaction.
+WRITE_JOB_BYTES = 32 * 1024**2
+
+
 @dataclass(eq=False)
 class IoJob:
     kind: str  # "demote" | "write_through" | "promote" | "delete"
-    cpu_entry: ChunkEntry | None = None
-    nvme_entry: ChunkEntry | None = None
+    cpu_entry: ChunkEntry | None = None  # promote: the arena target
+    nvme_entry: ChunkEntry | None = None  # promote: the NVMe source
+    writes: list[tuple[ChunkEntry, ChunkEntry]] | None = None  # (cpu entry, nvme target)
     deleted: list[ChunkEntry] | None = None
     done: Callable[[bool], None] | None = None  # promote: the waiting GET batch
     started: float = field(default_factory=time.perf_counter)
@@ -50,6 +56,8 @@ class TierMover:
         self.metrics = metrics
         self.write_through = write_through and nvme is not None
         self.on_space: Callable[[], None] = lambda: None  # set by the handlers (parked PUTs)
+        self._queued: dict[str, list[tuple[ChunkEntry, ChunkEntry]]] = {
+            "demote": [], "write_through": []}
         if nvme is not None:
             cpu.demoter = self.demote
             nvme.on_drop = self._nvme_dropped
@@ -86,8 +94,7 @@ class TierMover:
         entry.demoting = True
         self.cpu.acquire(entry)
         self.cpu.demoting_pages += entry.pages
-        self._submit(IoJob("demote", entry, target),
-                     self.nvme.write_job(target, self.cpu.arena, entry.runs), entry.nbytes)
+        self._queued["demote"].append((entry, target))
         return True
 
     def after_commit(self, entry: ChunkEntry) -> None:
@@ -98,8 +105,7 @@ class TierMover:
         if target is None:
             return
         self.cpu.acquire(entry)
-        self._submit(IoJob("write_through", entry, target),
-                     self.nvme.write_job(target, self.cpu.arena, entry.runs), entry.nbytes)
+        self._queued["write_through"].append((entry, target))
 
     def promote(self, source: ChunkEntry, target: ChunkEntry, done: Callable[[bool], None]) -> None:
         """Read an NVMe chunk into reserved arena pages (``target``, PENDING), then ``done(ok)``."""
@@ -117,6 +123,29 @@ class TierMover:
         self.flush_deletions()
         return status
 
+    def flush(self) -> None:
+        """Submit the writes and deletes queued during this loop iteration (called by the loop)."""
+        if self.nvme is None:
+            return
+        for kind, queued in self._queued.items():
+            if not queued:
+                continue
+            self._queued[kind] = []
+            per_job = max(WRITE_JOB_BYTES, -(-sum(c.nbytes for c, _ in queued)
+                                             // self.engine.threads))
+            batch: list[tuple[ChunkEntry, ChunkEntry]] = []
+            size = 0
+            for pair in queued + [None]:  # type: ignore[list-item]
+                if pair is not None:
+                    batch.append(pair)
+                    size += pair[0].nbytes
+                if batch and (pair is None or size >= per_job):
+                    items = [(target, cpu_entry.runs) for cpu_entry, target in batch]
+                    self._submit(IoJob(kind, writes=batch),
+                                 self.nvme.write_job(items, self.cpu.arena), size)
+                    batch, size = [], 0
+        self.flush_deletions()
+
     def flush_deletions(self) -> None:
         if self.nvme is None:
             return
@@ -133,39 +162,41 @@ class TierMover:
         self.metrics.io_latency.labels(job.kind).observe(time.perf_counter() - job.started)
         handler = getattr(self, f"_{job.kind}_done")
         handler(job, result, error)
-        self.flush_deletions()
+        self.flush()
 
     def _demote_done(self, job: IoJob, result: Any, error: BaseException | None) -> None:
-        assert self.nvme is not None and job.cpu_entry and job.nvme_entry
-        entry = job.cpu_entry
-        self._write_done(job, error, "demotion")
-        self.cpu.demoting_pages -= entry.pages
-        entry.demoting = False
-        self.cpu.release(entry)
-        self.cpu.finish_demotion(entry)
-        if error is None:
-            self.metrics.demotions.inc()
-            self.metrics.bytes.labels("demote", "nvme").inc(entry.nbytes)
+        assert job.writes is not None
+        self._writes_done(job, error, "demotion")
+        for entry, target in job.writes:
+            self.cpu.demoting_pages -= entry.pages
+            entry.demoting = False
+            self.cpu.release(entry)
+            self.cpu.finish_demotion(entry)
+            if error is None:
+                self.metrics.demotions.inc()
+                self.metrics.bytes.labels("demote", "nvme").inc(entry.nbytes)
         self.on_space()
 
     def _write_through_done(self, job: IoJob, result: Any, error: BaseException | None) -> None:
-        assert job.cpu_entry is not None
-        self._write_done(job, error, "write-through")
-        self.cpu.release(job.cpu_entry)
-        if error is None and self.cpu.index.get(job.cpu_entry.ikey) is job.cpu_entry:
-            job.cpu_entry.on_nvme = True
-            self.metrics.bytes.labels("write_through", "nvme").inc(job.cpu_entry.nbytes)
+        assert job.writes is not None
+        self._writes_done(job, error, "write-through")
+        for entry, _ in job.writes:
+            self.cpu.release(entry)
+            if error is None and self.cpu.index.get(entry.ikey) is entry:
+                entry.on_nvme = True
+                self.metrics.bytes.labels("write_through", "nvme").inc(entry.nbytes)
 
-    def _write_done(self, job: IoJob, error: BaseException | None, what: str) -> None:
-        assert self.nvme is not None and job.nvme_entry is not None
-        if error is None:
-            self.nvme.commit(job.nvme_entry)
-            return
-        self.nvme.abort(job.nvme_entry)
-        reason = _errno_name(error)
-        self.metrics.io_failures.labels("nvme", reason).inc()
-        log.error("NVMe %s of chunk %r failed (%s); the chunk is dropped from the NVMe tier",
-                  what, job.nvme_entry.ikey, error)
+    def _writes_done(self, job: IoJob, error: BaseException | None, what: str) -> None:
+        assert self.nvme is not None and job.writes is not None
+        for _, target in job.writes:
+            if error is None:
+                self.nvme.commit(target)
+            else:
+                self.nvme.abort(target)
+        if error is not None:
+            self.metrics.io_failures.labels("nvme", _errno_name(error)).inc()
+            log.error("NVMe %s of %d chunk(s) failed (%s); they are dropped from the NVMe tier",
+                      what, len(job.writes), error)
 
     def _promote_done(self, job: IoJob, result: Any, error: BaseException | None) -> None:
         assert self.nvme is not None and job.nvme_entry and job.done

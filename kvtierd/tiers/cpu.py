@@ -89,7 +89,10 @@ class CpuTier:
         if runs is None:
             # Pages already on their way out (demotions in flight) count as coming back.
             needed = pages - self.allocator.free_pages - self.demoting_pages
-            self.evict(needed, all_or_nothing=True)
+            if self.evict(needed, all_or_nothing=True):
+                # Evicting anyway: go down to the low watermark in one go, so that demotions go
+                # out in batches (one fdatasync for many chunks), not one victim per PUT item.
+                self.enforce_watermarks()
             runs = self.allocator.allocate(pages)
             if runs is None:
                 self.counters["reserve_no_space"] += 1
@@ -240,6 +243,8 @@ class CpuTier:
             return 0
         for entry in victims:
             if self.demoter is not None and self.demoter(entry):
+                # No longer a candidate: later scans must not walk past it again.
+                self.policy.remove(entry.ikey)
                 self.counters["demotions_started"] += 1
                 continue
             self._remove(entry)
@@ -293,10 +298,11 @@ class CpuTier:
             end = start + count
         assert end == self.num_pages, f"pages {end}..{self.num_pages} are owned by nobody"
         ready = {k for k, e in self.index.items() if e.state is ChunkState.READY}
+        candidates = {k for k in ready if not self.index[k].demoting}
         pending = [e for e in self.index.values() if e.state is ChunkState.PENDING]
         assert self.ready_chunks == len(ready), "ready chunk count drifted"
         assert self.ready_pages == sum(self.index[k].pages for k in ready), "ready pages drifted"
         assert self.pending_chunks == len(pending), "pending chunk count drifted"
         assert self.pending_pages == sum(e.pages for e in pending), "pending pages drifted"
-        assert len(self.policy) == len(ready), "eviction policy and READY chunks disagree"
-        assert all(k in ready for k in self.policy.victims()), "policy tracks a non-READY chunk"
+        assert len(self.policy) == len(candidates), "eviction policy and READY chunks disagree"
+        assert all(k in candidates for k in self.policy.victims()), "policy tracks a non-candidate"

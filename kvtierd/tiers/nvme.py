@@ -151,17 +151,20 @@ class NvmeTier:
         self.index[ikey] = entry
         return entry
 
-    def write_job(self, entry: ChunkEntry, arena: Arena, src_runs: list[Run]) -> Callable[[], int]:
-        """Copy ``src_runs`` arena pages into the entry's pages, make them durable, index them."""
-        row = IndexRow(entry.ikey[0][0], entry.ikey[0][1], entry.ikey[1], entry.fingerprint,
-                       entry.nbytes, entry.checksum, entry.runs)
+    def write_job(self, items: list[tuple[ChunkEntry, list[Run]]], arena: Arena
+                  ) -> Callable[[], int]:
+        """Copy each entry's source arena pages into its pages, make them all durable with one
+        ``fdatasync``, then index them in one transaction. All or nothing per job."""
+        rows = [IndexRow(e.ikey[0][0], e.ikey[0][1], e.ikey[1], e.fingerprint, e.nbytes,
+                         e.checksum, e.runs) for e, _ in items]
 
         def job() -> int:
-            for page, views in _transfers(entry.runs, src_runs, arena, self.page_bytes):
-                self.file.write(page, views)
-            self.file.sync()  # data durable before the row that names it
-            self.db.insert([row])
-            return entry.pages * self.page_bytes
+            for entry, src_runs in items:
+                for page, views in _transfers(entry.runs, src_runs, arena, self.page_bytes):
+                    self.file.write(page, views)
+            self.file.sync()  # data durable before the rows that name it
+            self.db.insert(rows)
+            return sum(e.pages for e, _ in items) * self.page_bytes
 
         return job
 
