@@ -1,5 +1,13 @@
 """Client staging buffers as the daemon sees them: opened once per session, bounds-checked.
 
+The seam every staging kind implements (the copy threads call the two copies):
+
+* ``check_size()`` before each batch, ``check_range(offset, nbytes)`` per item (None when inside),
+* ``copy_in(offset, arena, segments) -> checksum``: staging ``[offset, offset + sum(lengths))`` →
+  the arena ``segments`` (byte ranges in payload order), returning the payload's xxh3-128,
+* ``copy_out(arena, segments, offset)``: the reverse,
+* ``close()`` once no copy uses it.
+
 A client on the same host registers a shared-memory file it created under /dev/shm (name pattern
 ``kvtier-stg-*``) in HELLO; the daemon maps it and copies between it and its tiers. Every
 ``(offset, nbytes)`` of a request is checked against the registered size before any copy. The client
@@ -16,7 +24,9 @@ import re
 import stat
 from pathlib import Path
 
+from kvtierd.copy import memcpy
 from kvtierd.protocol import ProtocolError, Status
+from kvtierd.tiers.arena import Arena
 
 SHM_DIR = Path("/dev/shm")
 NAME_PATTERN = re.compile(r"^kvtier-stg-[A-Za-z0-9_.-]{1,200}$")
@@ -64,6 +74,12 @@ class ShmStaging:
         self._anchor = ctypes.c_char.from_buffer(self._mmap)
         self.address = ctypes.addressof(self._anchor)
         self.view = memoryview(self._mmap)
+
+    def copy_in(self, offset: int, arena: Arena, segments: list[tuple[int, int]]) -> bytes:
+        return memcpy.copy_in(self.address, offset, arena.address, segments, arena.view)
+
+    def copy_out(self, arena: Arena, segments: list[tuple[int, int]], offset: int) -> None:
+        memcpy.copy_out(arena.address, segments, self.address, offset)
 
     def check_size(self) -> None:
         """Refuse a batch if the client shrank its file since HELLO.

@@ -327,8 +327,7 @@ class DataOps:
             if session.staging is None:
                 sums.append(_copy_frame_in(memoryview(source), arena, segs))
             else:
-                sums.append(memcpy.copy_in(session.staging.address, source, arena.address, segs,
-                                           arena.view))
+                sums.append(session.staging.copy_in(source, arena, segs))
         return sums
 
     def _get_job(self, session: Session, bucket: list) -> set[int]:
@@ -343,7 +342,7 @@ class DataOps:
             if session.staging is None:
                 _copy_out_to_frame(arena, segs, target)
             else:
-                memcpy.copy_out(arena.address, segs, session.staging.address, target)
+                session.staging.copy_out(arena, segs, target)
         return bad
 
     def on_copy_done(self, context: tuple[Batch, list], result: Any, error: BaseException | None):
