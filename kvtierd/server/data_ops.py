@@ -217,7 +217,7 @@ class DataOps:
         def done(ok: bool) -> None:
             batch.session.in_flight -= 1
             batch.jobs_left -= 1
-            if not ok:
+            if not ok or source.doomed:  # failed its check, or DELETEd while being read
                 self.tier.abort(target)
                 self._get_miss(batch, i, Status.CHECKSUM_MISMATCH,
                                "the NVMe copy failed its check or could not be read; dropped")

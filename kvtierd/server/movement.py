@@ -131,20 +131,26 @@ class TierMover:
             if not queued:
                 continue
             self._queued[kind] = []
+            # Spread over the I/O threads, but never below WRITE_JOB_BYTES per fdatasync.
             per_job = max(WRITE_JOB_BYTES, -(-sum(c.nbytes for c, _ in queued)
                                              // self.engine.threads))
             batch: list[tuple[ChunkEntry, ChunkEntry]] = []
             size = 0
-            for pair in queued + [None]:  # type: ignore[list-item]
-                if pair is not None:
-                    batch.append(pair)
-                    size += pair[0].nbytes
-                if batch and (pair is None or size >= per_job):
-                    items = [(target, cpu_entry.runs) for cpu_entry, target in batch]
-                    self._submit(IoJob(kind, writes=batch),
-                                 self.nvme.write_job(items, self.cpu.arena), size)
+            for pair in queued:
+                batch.append(pair)
+                size += pair[0].nbytes
+                if size >= per_job:
+                    self._submit_writes(kind, batch, size)
                     batch, size = [], 0
+            if batch:
+                self._submit_writes(kind, batch, size)
         self.flush_deletions()
+
+    def _submit_writes(self, kind: str, batch: list[tuple[ChunkEntry, ChunkEntry]], size: int
+                       ) -> None:
+        assert self.nvme is not None
+        items = [(target, cpu_entry.runs) for cpu_entry, target in batch]
+        self._submit(IoJob(kind, writes=batch), self.nvme.write_job(items, self.cpu.arena), size)
 
     def flush_deletions(self) -> None:
         if self.nvme is None:
@@ -188,11 +194,13 @@ class TierMover:
 
     def _writes_done(self, job: IoJob, error: BaseException | None, what: str) -> None:
         assert self.nvme is not None and job.writes is not None
-        for _, target in job.writes:
-            if error is None:
-                self.nvme.commit(target)
-            else:
+        for cpu_entry, target in job.writes:
+            if error is not None:
                 self.nvme.abort(target)
+                continue
+            self.nvme.commit(target)
+            if cpu_entry.doomed:  # DELETEd while being written: its row must go too
+                self.nvme.drop(target)
         if error is not None:
             self.metrics.io_failures.labels("nvme", _errno_name(error)).inc()
             log.error("NVMe %s of %d chunk(s) failed (%s); they are dropped from the NVMe tier",
