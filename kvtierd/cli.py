@@ -139,7 +139,28 @@ def format_stats(stats: dict[str, Any]) -> str:
     for op in ("lookup", "get"):
         hits, misses = counts.get(f"{op}_hits", 0), counts.get(f"{op}_misses", 0)
         lines.append(f"{op:<8}{hits:>10}{misses:>10}{_ratio(hits, misses):>10}")
+    lines += format_ghosts(stats.get("ghosts", {}))
     return "\n".join(lines)
+
+
+def format_ghosts(ghosts: dict[str, Any]) -> list[str]:
+    """Capacity planning rows: each tier's hit ratio now and if it were larger (kvtierd.ghost)."""
+    if not ghosts:
+        return []
+    scales = sorted({int(s) for g in ghosts.values() for s in g["hits"]} - {1})
+    lines = [
+        "",
+        "capacity planning: hit ratio of LOOKUP/GET accesses if the tier were larger",
+        f"{'tier':<6}{'accesses':>10}{'now':>9}" + "".join(f"{f'at {s}x':>9}" for s in scales)
+        + f"{'sampled':>9}",
+    ]
+    for name, ghost in ghosts.items():
+        accesses, hits = ghost["accesses"], ghost["hits"]
+        cells = [_ratio(hits.get(str(s), 0), accesses - hits.get(str(s), 0))
+                 for s in (1, *scales)]
+        lines.append(f"{name:<6}{accesses:>10}" + "".join(f"{c:>9}" for c in cells)
+                     + f"{ghost['sample_ratio']:>9.1%}")
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:

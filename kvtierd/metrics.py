@@ -107,6 +107,17 @@ class DaemonMetrics:
         )
         self._server = None
 
+    def prime(self, tiers: Iterable[str]) -> None:
+        """Create, at 0, the labelled series that alerts and dashboards need before any traffic: a
+        counter first seen at 1 has no increase() to alert on (the first integrity failure would
+        go unnoticed), and a hit ratio without its miss series is empty rather than 1."""
+        for tier in tiers:
+            self.hits.labels(tier)
+            self.integrity_failures.labels(tier)
+            for direction in ("in", "out"):
+                self.bytes.labels(direction, tier)
+        self.misses.labels("miss")
+
     def add_tiers(self, tiers: Callable[[], Iterable[tuple[str, dict[str, int]]]]) -> None:
         self.registry.register(TierCollector(tiers))
 

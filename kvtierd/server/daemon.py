@@ -29,7 +29,9 @@ from zmq.utils.monitor import parse_monitor_message
 from kvtierd import __version__
 from kvtierd.config import Config
 from kvtierd.copy.engine import CopyEngine
+from kvtierd.ghost import GhostCaches, GhostCollector
 from kvtierd.metrics import DaemonMetrics
+from kvtierd.notify import Notifier
 from kvtierd.protocol import (
     PROTOCOL_VERSION,
     Op,
@@ -66,6 +68,8 @@ class AlreadyServing(RuntimeError):
 class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.notifier = Notifier.from_env()  # systemd Type=notify; a no-op without NOTIFY_SOCKET
+        self.notifier.status(f"mapping the CPU tier ({cfg.cpu_bytes} bytes)")
         self.metrics = DaemonMetrics()
         self.metrics.info.labels(__version__, str(PROTOCOL_VERSION)).set(1)
         started = time.perf_counter()
@@ -108,6 +112,11 @@ class Daemon:
         self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting)
         self.data = DataOps(cfg, self.mover, self.sessions, self.engine, self.metrics, accounting,
                             self._send)
+        # Capacity planning: what each tier's hit ratio would be if it were 2x/4x larger.
+        tiers = [(name, stats["capacity_bytes"]) for name, stats in self.mover.tier_stats()]
+        self.handlers.ghosts = self.data.ghosts = GhostCaches(tiers, cfg.page_bytes)
+        self.metrics.registry.register(GhostCollector(self.handlers.ghosts))
+        self.metrics.prime(name for name, _ in tiers)
         self._dispatch: dict[Op, Callable[..., Any]] = {
             Op.PING: self.handlers.ping,
             Op.STATS: self.handlers.stats,
@@ -161,6 +170,7 @@ class Daemon:
             log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes)",
                      __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
                      self.cfg.page_bytes)
+            self.notifier.ready(f"serving on {self.cfg.socket}")
             if on_ready is not None:
                 on_ready()
             self._loop()
@@ -248,6 +258,7 @@ class Daemon:
                     self._close_session(session, "disconnected")
 
     def _housekeeping(self, now: float) -> None:
+        self.notifier.watchdog(now)
         due = [t for t in self._probes if t <= now]
         if due:
             self._probes = [t for t in self._probes if t > now]
@@ -266,6 +277,7 @@ class Daemon:
         self.metrics.sessions.set(len(self.sessions))
 
     def _shutdown(self) -> None:
+        self.notifier.stopping()
         log.info("kvtierd stopping")
         deadline = time.monotonic() + 30.0
         self.mover.flush()

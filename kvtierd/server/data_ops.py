@@ -23,6 +23,7 @@ from typing import Any, Callable
 from kvtierd.config import Config
 from kvtierd.copy import memcpy
 from kvtierd.copy.engine import CopyEngine
+from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import Op, ProtocolError, Status, Tier, reply
 from kvtierd.server import requests
@@ -69,6 +70,7 @@ class DataOps:
         self.engine = engine
         self.metrics = metrics
         self.accounting = accounting
+        self.ghosts = GhostCaches([], cfg.page_bytes)  # the daemon sets the real ones
         self.send = send
         self.waiting: deque[Batch] = deque()  # PUTs with parked items, oldest first
         self._retrying = False
@@ -100,10 +102,14 @@ class DataOps:
         below = nvme.index.get(ikey) if nvme is not None else None
         if below is not None and ikey not in self.tier.index:
             status = self._existing_below(below, session.fingerprint, nbytes)
+            if status is Status.EXISTS:
+                self.ghosts.insert(ikey, nbytes)
             self._fail(batch, i, status, self._reserve_message(status, nbytes))
             return
         status, entry = self.tier.reserve(ikey, session.fingerprint, nbytes, session.id)
         if entry is None:
+            if status is Status.EXISTS:
+                self.ghosts.insert(ikey, nbytes)
             if status is Status.NO_SPACE and self.mover.space_coming():
                 batch.parked.append((i, key, offset, nbytes))
                 return
@@ -181,6 +187,7 @@ class DataOps:
         status, tier, entry = self.mover.lookup(session.ikey(key), session.fingerprint)
         if entry is not None and entry.nbytes != nbytes:
             status, entry = Status.SIZE_MISMATCH, None
+        self.ghosts.access(session.ikey(key), None if entry is None else tier.name.lower())
         if entry is None:
             self._get_miss(batch, i, status)
         elif tier is Tier.NVME:
@@ -382,6 +389,7 @@ class DataOps:
                            "the session ended before the copy completed; not stored")
             return
         self.tier.commit(entry, digest)
+        self.ghosts.insert(entry.ikey, entry.nbytes)
         self.metrics.bytes.labels("in", "cpu").inc(entry.nbytes)
         self.mover.after_commit(entry)
 

@@ -13,6 +13,7 @@ import time
 
 from kvtierd import __version__
 from kvtierd.config import Config
+from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import MAX_KEY_BYTES, PROTOCOL_VERSION, ProtocolError, Status, Tier
 from kvtierd.server import requests
@@ -39,6 +40,7 @@ class OpHandlers:
         self.sessions = sessions
         self.metrics = metrics
         self.accounting = accounting
+        self.ghosts = GhostCaches([], cfg.page_bytes)  # the daemon sets the real ones
         self.started_at = time.time()
         self.metrics_address: str = ""
 
@@ -122,6 +124,7 @@ class OpHandlers:
             if problem is not None:
                 raise ProtocolError(problem[0], problem[1])
             status, tier, entry = self.mover.lookup(session.ikey(key), session.fingerprint)
+            self.ghosts.access(session.ikey(key), None if entry is None else tier.name.lower())
             if entry is None:
                 self.accounting.miss("lookup", status)
                 tiers.append(int(Tier.NONE))
@@ -147,6 +150,7 @@ class OpHandlers:
                 continue
             self.sessions.release_lease(session, ikey)
             results.append(int(self.mover.delete(ikey)))
+            self.ghosts.remove(ikey)
         return {"results": results}
 
     def stats(self, session: Session | None, header: dict, frames: list) -> dict:
@@ -164,6 +168,7 @@ class OpHandlers:
                 "tiers": dict(self.mover.tier_stats()),
                 "sessions": len(self.sessions),
                 "counts": dict(self.accounting.counts),
+                "ghosts": self.ghosts.stats(),
             }
         }
 
@@ -174,6 +179,7 @@ class OpHandlers:
             if self.mover.nvme is not None:
                 self.mover.nvme.check_invariants()
             self.sessions.check_invariants()
+            self.ghosts.check_invariants()
         except AssertionError as exc:
             log.error("invariant violated: %s", exc)
             raise ProtocolError(Status.INTERNAL, f"invariant violated: {exc}") from None

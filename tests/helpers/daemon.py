@@ -30,11 +30,14 @@ class DaemonProcess:
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float = 30.0, wait: bool = True) -> None:
+        """Start the daemon; with ``wait``, return once it answers a PING."""
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtierd", "serve", *self.flags],
             stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        if not wait:
+            return
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,46 @@
+# syntax=docker/dockerfile:1
+# kvtierd daemon image (CPU tiers; the CUDA variant is described in README, "Operating kvtierd").
+#   docker build -t kvtierd:0.1.0 .
+#   docker run --rm --shm-size=10g --ulimit memlock=-1 -v kvtierd-run:/run/kvtierd \
+#     -e KVTIERD_CPU_BYTES=8GiB kvtierd:0.1.0
+# Configure with KVTIERD_* variables, flags after the image name, or a TOML file mounted at
+# /etc/kvtierd/kvtierd.toml with KVTIERD_CONFIG=/etc/kvtierd/kvtierd.toml.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kvtierd ./kvtierd
+COPY client ./client
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM ${PYTHON_IMAGE}
+# The daemon's own dependencies: pyproject's [project] dependencies less the engine-side torch and
+# numpy, which the daemon never imports (tests/deploy/test_dockerfile.py keeps the two in step and
+# runs the daemon from exactly this set).
+COPY --from=build /wheels /wheels
+RUN python -m venv /opt/kvtierd \
+    && /opt/kvtierd/bin/pip install --no-cache-dir \
+        "pyzmq>=25" "msgpack>=1.0" "prometheus-client>=0.20" "xxhash>=3.0" \
+    && /opt/kvtierd/bin/pip install --no-cache-dir --no-deps /wheels/kvtierd-*.whl \
+    && rm -rf /wheels \
+    && groupadd --system --gid 10001 kvtierd \
+    && useradd --system --uid 10001 --gid kvtierd --no-create-home --shell /usr/sbin/nologin kvtierd \
+    && mkdir -p /run/kvtierd /var/lib/kvtierd /etc/kvtierd \
+    && chown kvtierd:kvtierd /run/kvtierd /var/lib/kvtierd \
+    && chmod 0750 /run/kvtierd /var/lib/kvtierd
+
+ENV PATH=/opt/kvtierd/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    XDG_STATE_HOME=/var/lib \
+    KVTIERD_SOCKET=ipc:///run/kvtierd/kvtierd.sock \
+    KVTIERD_METRICS_ADDR=0.0.0.0:9464
+USER 10001:10001
+VOLUME ["/run/kvtierd", "/var/lib/kvtierd"]
+EXPOSE 9464
+STOPSIGNAL SIGTERM
+# PING through the daemon's own socket; the start period covers prefaulting a large arena.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=5m --retries=3 \
+    CMD ["kvtierd", "ping", "--timeout", "3"]
+# umask 0007: the socket is group-writable, so engines in the kvtierd group (gid 10001) may connect.
+ENTRYPOINT ["/bin/sh", "-c", "umask 0007 && exec kvtierd serve \"$@\"", "kvtierd"]

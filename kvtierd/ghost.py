@@ -1,0 +1,237 @@
+"""Capacity planning: ghost caches that tell what hit ratio each tier would have if it were larger.
+
+A ghost cache is a keys-only simulation of the tier's eviction policy (LRU) over the same accesses
+the daemon sees, at a larger capacity: it remembers which keys a bigger tier would still hold and
+their sizes, never their bytes. Per tier there is one ghost per scale (2x and 4x by default).
+
+What is simulated, per tier, at scale ``s``: an LRU cache of ``base + s * capacity`` bytes, where
+``base`` is the capacity of the faster tiers in front of it (0 for the CPU tier). For the CPU tier
+that is "this node's CPU tier, s times bigger"; for a tier behind it (NVMe) it is the whole hierarchy
+down to that tier with that tier s times bigger — which is what a demoting hierarchy behaves like.
+
+The feed (from the request handlers, on the request loop, O(1) per key):
+
+* ``access(ikey, hit_tier)`` for every key of a LOOKUP and every item of a GET, hit or miss. Each
+  tier counts the access, the real outcome (scale 1: a hit in this tier or a faster one) and the
+  outcome in each ghost. A miss inserts nothing: as in the real cache, only a PUT does.
+* ``insert(ikey, nbytes)`` for every PUT item that was committed or already stored (``EXISTS``).
+* ``remove(ikey)`` for every deleted key.
+
+The hit ratio tier ``t`` would have at scale ``s`` is ``hits[t][s] / accesses[t]``; scale 1 is the
+real tier, measured on the same accesses, so the three numbers compare directly. Known optimism:
+ghosts are plain LRU filled to 100 %, while the real tier keeps leased chunks and evicts down to its
+low watermark.
+
+Memory: a ghost entry costs about 140 bytes (an ``OrderedDict`` node holding a 64-bit key hash and
+a page count; ``tests/unit/kvtierd/test_ghost.py`` measures it), so a tier's ghosts hold at most
+``1.5 * MAX_KEYS`` entries (about 28 MB); the time is ~0.5 µs per access and ~2.5 µs per insert. A tier so large that its 4x ghost could hold more keys than
+``MAX_KEYS`` (counting one page per chunk, the worst case) is simulated on a sample of the key space
+(spatial sampling, as in SHARDS: a key is simulated iff its hash falls below ``sample_ratio``, and
+the ghost capacities shrink by the same ratio); its counters then count the sampled accesses only,
+and their ratios estimate the hit ratios. Small tiers are simulated exactly (``sample_ratio`` 1).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from functools import lru_cache
+from typing import Hashable, Iterable, Sequence
+
+import xxhash
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+SCALES = (2, 4)
+MAX_KEYS = 1 << 17  # keys in a tier's largest ghost before it samples (~18 MB at ~140 B a key)
+_SAMPLE_BITS = 32
+_SAMPLE_MASK = (1 << _SAMPLE_BITS) - 1
+
+
+@lru_cache(maxsize=1024)
+def _space_seed(namespace: str, rank: int) -> int:
+    return xxhash.xxh3_64_intdigest(f"{namespace}\0{rank}".encode("utf-8", "surrogatepass"))
+
+
+class GhostLRU:
+    """A keys-only LRU bounded by bytes: key hash -> pages, coldest first."""
+
+    def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
+        self.capacity_pages = capacity_bytes // page_bytes
+        self.page_bytes = page_bytes
+        self.used_pages = 0
+        self._order: OrderedDict[int, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._order
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_pages * self.page_bytes
+
+    def access(self, key: int) -> bool:
+        """A read of ``key``: True (and most recent) if the ghost holds it."""
+        if key in self._order:
+            self._order.move_to_end(key)
+            return True
+        return False
+
+    def insert(self, key: int, pages: int) -> None:
+        """A store of ``key``: held (most recent) with ``pages``; the coldest keys make room."""
+        old = self._order.pop(key, None)
+        if old is not None:
+            self.used_pages -= old
+        if pages > self.capacity_pages:
+            return  # larger than the whole ghost: the real tier would refuse it too
+        self._order[key] = pages
+        self.used_pages += pages
+        while self.used_pages > self.capacity_pages:
+            _, freed = self._order.popitem(last=False)
+            self.used_pages -= freed
+
+    def remove(self, key: int) -> None:
+        pages = self._order.pop(key, None)
+        if pages is not None:
+            self.used_pages -= pages
+
+    def check_invariants(self) -> None:
+        assert self.used_pages == sum(self._order.values()), "ghost page count drifted"
+        assert self.used_pages <= self.capacity_pages, "ghost above its capacity"
+
+
+class TierGhosts:
+    """The ghosts of one tier (one per scale) and its counters."""
+
+    def __init__(self, tier: str, depth: int, base_bytes: int, capacity_bytes: int,
+                 page_bytes: int, scales: Sequence[int] = SCALES, max_keys: int = MAX_KEYS) -> None:
+        self.tier = tier
+        self.depth = depth  # 0 = fastest tier; a real hit in any tier at depth <= this one counts
+        self.scales = tuple(scales)
+        self.capacity_bytes = {s: base_bytes + s * capacity_bytes for s in (1, *self.scales)}
+        worst_keys = self.capacity_bytes[max(self.scales)] // page_bytes
+        self.sample_ratio = min(1.0, max_keys / worst_keys) if worst_keys else 1.0
+        self._threshold = int(self.sample_ratio * (1 << _SAMPLE_BITS))
+        self.ghosts = {
+            s: GhostLRU(int(self.capacity_bytes[s] * self.sample_ratio), page_bytes)
+            for s in self.scales
+        }
+        self.accesses = 0
+        self.hits = {s: 0 for s in (1, *self.scales)}
+
+    def sampled(self, key: int) -> bool:
+        return (key & _SAMPLE_MASK) < self._threshold
+
+    def stats(self) -> dict:
+        return {
+            "depth": self.depth,
+            "sample_ratio": self.sample_ratio,
+            "accesses": self.accesses,
+            "hits": {str(s): n for s, n in self.hits.items()},
+            "capacity_bytes": {str(s): n for s, n in self.capacity_bytes.items()},
+            "keys": {str(s): len(g) for s, g in self.ghosts.items()},
+        }
+
+
+class GhostCaches:
+    """Ghosts for every tier, fastest first; fed by the request handlers."""
+
+    def __init__(self, tiers: Iterable[tuple[str, int]], page_bytes: int,
+                 scales: Sequence[int] = SCALES, max_keys: int = MAX_KEYS) -> None:
+        self.page_bytes = page_bytes
+        self.tiers: list[TierGhosts] = []
+        self._depth: dict[str, int] = {}
+        base = 0
+        for depth, (name, capacity_bytes) in enumerate(tiers):
+            self.tiers.append(
+                TierGhosts(name, depth, base, capacity_bytes, page_bytes, scales, max_keys))
+            self._depth[name] = depth
+            base += capacity_bytes
+
+    @staticmethod
+    def key(ikey: Hashable) -> int:
+        """64-bit xxh3 of ``((namespace, rank), key)``: uniform (sampling uses its low bits) and
+        the same in every process, so a sample is reproducible across restarts and in tests."""
+        (namespace, rank), key = ikey
+        return xxhash.xxh3_64_intdigest(key, seed=_space_seed(namespace, rank))
+
+    def access(self, ikey: Hashable, hit_tier: str | None) -> None:
+        """One LOOKUP key or GET item; ``hit_tier`` is the tier that really had it (None: miss)."""
+        key = self.key(ikey)
+        real = self._depth.get(hit_tier, -1) if hit_tier is not None else -1
+        for tier in self.tiers:
+            if not tier.sampled(key):
+                continue
+            tier.accesses += 1
+            if 0 <= real <= tier.depth:
+                tier.hits[1] += 1
+            for scale, ghost in tier.ghosts.items():
+                if ghost.access(key):
+                    tier.hits[scale] += 1
+
+    def insert(self, ikey: Hashable, nbytes: int) -> None:
+        """A PUT item that was committed or already stored."""
+        key = self.key(ikey)
+        pages = max(1, -(-nbytes // self.page_bytes))
+        for tier in self.tiers:
+            if tier.sampled(key):
+                for ghost in tier.ghosts.values():
+                    ghost.insert(key, pages)
+
+    def remove(self, ikey: Hashable) -> None:
+        key = self.key(ikey)
+        for tier in self.tiers:
+            for ghost in tier.ghosts.values():
+                ghost.remove(key)
+
+    def stats(self) -> dict[str, dict]:
+        return {tier.tier: tier.stats() for tier in self.tiers}
+
+    def check_invariants(self) -> None:
+        for tier in self.tiers:
+            assert all(tier.hits[s] <= tier.accesses for s in tier.hits), "more hits than accesses"
+            for ghost in tier.ghosts.values():
+                ghost.check_invariants()
+
+
+class GhostCollector(Collector):
+    """Exports the ghosts' counters at scrape time (nothing on the request path)."""
+
+    def __init__(self, ghosts: GhostCaches) -> None:
+        self._ghosts = ghosts
+
+    def collect(self):
+        accesses = CounterMetricFamily(
+            "kvtierd_ghost_accesses",
+            "Chunk accesses (LOOKUP keys and GET items) the capacity-planning ghosts of a tier saw",
+            labels=["tier"],
+        )
+        hits = CounterMetricFamily(
+            "kvtierd_ghost_hits",
+            "Of those accesses, hits the tier would have at `scale` times its capacity "
+            "(scale 1: real hits in this tier or a faster one)",
+            labels=["tier", "scale"],
+        )
+        capacity = GaugeMetricFamily(
+            "kvtierd_ghost_capacity_bytes",
+            "Capacity simulated at each scale (faster tiers + scale * this tier)",
+            labels=["tier", "scale"],
+        )
+        keys = GaugeMetricFamily(
+            "kvtierd_ghost_keys", "Keys a ghost holds (about 140 bytes of daemon memory each)",
+            labels=["tier", "scale"],
+        )
+        ratio = GaugeMetricFamily(
+            "kvtierd_ghost_sample_ratio", "Fraction of the key space a tier's ghosts simulate",
+            labels=["tier"],
+        )
+        for tier in self._ghosts.tiers:
+            accesses.add_metric([tier.tier], tier.accesses)
+            ratio.add_metric([tier.tier], tier.sample_ratio)
+            for scale, count in tier.hits.items():
+                hits.add_metric([tier.tier, str(scale)], count)
+                capacity.add_metric([tier.tier, str(scale)], tier.capacity_bytes[scale])
+            for scale, ghost in tier.ghosts.items():
+                keys.add_metric([tier.tier, str(scale)], len(ghost))
+        yield from (accesses, hits, capacity, keys, ratio)

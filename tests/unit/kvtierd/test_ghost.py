@@ -1,0 +1,143 @@
+"""Capacity-planning ghosts: exact LRU answers against a naive reference, monotone in capacity,
+bounded memory, and sampling that estimates the exact answer on large tiers."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+import pytest
+
+from kvtierd.ghost import GhostCaches, GhostLRU
+
+PAGE = 4096
+
+
+class NaiveLRU:
+    """The reference: a list, most recent last, evicting from the front until it fits."""
+
+    def __init__(self, capacity_pages: int) -> None:
+        self.capacity = capacity_pages
+        self.order: list[tuple[object, int]] = []
+
+    def access(self, key) -> bool:
+        for i, (k, pages) in enumerate(self.order):
+            if k == key:
+                self.order.append(self.order.pop(i))
+                return True
+        return False
+
+    def insert(self, key, pages: int) -> None:
+        self.order = [(k, p) for k, p in self.order if k != key]
+        if pages > self.capacity:
+            return
+        self.order.append((key, pages))
+        while sum(p for _, p in self.order) > self.capacity:
+            self.order.pop(0)
+
+
+def trace(rng: random.Random, n: int, keys: int, hot: int = 0):
+    """(op, key, pages) with a hot set, re-reads and deletes: what an engine fleet does."""
+    for _ in range(n):
+        key = rng.randrange(hot) if hot and rng.random() < 0.5 else rng.randrange(keys)
+        r = rng.random()
+        op = "access" if r < 0.6 else "insert" if r < 0.97 else "remove"
+        yield op, (("model", 0), key.to_bytes(8, "little")), 1 + key % 5
+
+
+@pytest.mark.parametrize("capacity_pages", [1, 7, 40, 200])
+def test_ghost_lru_answers_exactly_like_a_naive_lru(capacity_pages):
+    rng = random.Random(capacity_pages)
+    ghost, ref = GhostLRU(capacity_pages * PAGE, PAGE), NaiveLRU(capacity_pages)
+    for op, ikey, pages in trace(rng, 3000, keys=120, hot=10):
+        key = GhostCaches.key(ikey)
+        if op == "access":
+            assert ghost.access(key) == ref.access(key)
+        elif op == "insert":
+            ghost.insert(key, pages)
+            ref.insert(key, pages)
+        else:
+            ghost.remove(key)
+            ref.order = [(k, p) for k, p in ref.order if k != key]
+        assert list(ghost._order.items()) == ref.order
+        ghost.check_invariants()
+
+
+def test_tiers_count_real_hits_and_ghost_hits_and_larger_is_never_worse():
+    # cpu: 32 pages; nvme behind it: 64 pages -> simulated 32+2*64, 32+4*64.
+    ghosts = GhostCaches([("cpu", 32 * PAGE), ("nvme", 64 * PAGE)], PAGE)
+    cpu, nvme = ghosts.tiers
+    assert cpu.capacity_bytes == {1: 32 * PAGE, 2: 64 * PAGE, 4: 128 * PAGE}
+    assert nvme.capacity_bytes == {1: 96 * PAGE, 2: 160 * PAGE, 4: 288 * PAGE}
+    assert cpu.sample_ratio == nvme.sample_ratio == 1.0
+    rng = random.Random(7)
+    real_hits = {"cpu": 0, "nvme": 0}
+    accesses = 0
+    for op, ikey, pages in trace(rng, 6000, keys=400, hot=40):
+        if op == "access":
+            real = rng.choice([None, "cpu", "nvme"])  # what the real tiers answered
+            ghosts.access(ikey, real)
+            accesses += 1
+            real_hits["cpu"] += real == "cpu"
+            real_hits["nvme"] += real in ("cpu", "nvme")
+        elif op == "insert":
+            ghosts.insert(ikey, pages * PAGE - 1)
+        else:
+            ghosts.remove(ikey)
+    ghosts.check_invariants()
+    stats = ghosts.stats()
+    for tier in ("cpu", "nvme"):
+        assert stats[tier]["accesses"] == accesses
+        assert stats[tier]["hits"]["1"] == real_hits[tier]
+    # LRU's inclusion property: a larger LRU holds a superset, so it never hits less
+    assert 0 < stats["cpu"]["hits"]["2"] <= stats["cpu"]["hits"]["4"] <= \
+        stats["nvme"]["hits"]["2"] <= stats["nvme"]["hits"]["4"] <= accesses
+    assert stats["cpu"]["keys"]["2"] <= stats["cpu"]["keys"]["4"]
+
+
+def test_a_chunk_larger_than_the_ghost_is_not_held():
+    ghost = GhostLRU(4 * PAGE, PAGE)
+    ghost.insert(1, 2)
+    ghost.insert(2, 5)
+    assert 1 in ghost and 2 not in ghost and ghost.used_pages == 2
+
+
+def test_large_tiers_are_sampled_and_estimate_the_exact_hit_ratio():
+    """A tier whose 4x ghost could hold more than max_keys keys simulates a sample of the keys."""
+    rng = random.Random(3)
+    exact = GhostCaches([("cpu", 4000 * PAGE)], PAGE, max_keys=1 << 30)
+    sampled = GhostCaches([("cpu", 4000 * PAGE)], PAGE, max_keys=4000)
+    assert exact.tiers[0].sample_ratio == 1.0
+    assert sampled.tiers[0].sample_ratio == pytest.approx(0.25)
+    assert sampled.tiers[0].ghosts[4].capacity_bytes == 4000 * PAGE
+    zipf = [1 / (k + 1) ** 0.6 for k in range(60000)]
+    keys = rng.choices(range(60000), weights=zipf, k=100000)
+    for key in keys:
+        ikey = (("m", 0), key.to_bytes(4, "little"))
+        for ghosts in (exact, sampled):
+            ghosts.access(ikey, None)
+            ghosts.insert(ikey, PAGE)
+    for scale in ("2", "4"):
+        e, s = (g.stats()["cpu"] for g in (exact, sampled))
+        exact_ratio = e["hits"][scale] / e["accesses"]
+        sampled_ratio = s["hits"][scale] / s["accesses"]
+        assert 0.2 < exact_ratio < 0.6
+        assert sampled_ratio == pytest.approx(exact_ratio, abs=0.03), scale
+        assert s["keys"][scale] <= 4000
+        assert s["accesses"] == pytest.approx(e["accesses"] * 0.25, rel=0.1)
+
+
+def test_memory_per_key_is_what_the_docs_say():
+    """The README and kvtierd.ghost promise about 140 bytes a key; fail well before 2x that."""
+    ghost = GhostLRU(1 << 40, PAGE)
+    rng = random.Random(1)
+    keys = [GhostCaches.key((("m", 0), rng.randbytes(16))) for _ in range(50000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for key in keys:
+            ghost.insert(key, 3)
+        per_key = (tracemalloc.get_traced_memory()[0] - before) / len(keys)
+    finally:
+        tracemalloc.stop()
+    assert 60 < per_key < 200, per_key
