@@ -2,7 +2,8 @@
 
 One worker thread owns the socket and the staging buffer, so ``store`` and ``load`` return futures
 and run in submission order; ``lookup`` waits for its answer. Store: gather a batch of chunks into
-staging (torch reference copies on CPU), then one PUT. Load: one GET into staging, then scatter the
+staging (torch reference copies on CPU; the GPU kernels and a CUDA IPC staging buffer for CUDA
+tensors, see ``cuda_staging``), then one PUT. Load: one GET into staging, then scatter the
 chunks that hit. A chunk is True only if its bytes are stored (store) or now in its blocks (load).
 
 When the daemon is down or slow, calls answer False for every chunk (with a warning) instead of
@@ -27,6 +28,7 @@ from kvtierd.protocol import STORED, Op, Status, Tier
 from .copies import CopyUnit, build_page_tables, gather, scatter
 from .layout import KVLayout
 from .planner import Chunk
+from .cuda_staging import CudaCopier, tables_device
 from .staging import ShmStagingBuffer, align
 from .transport import DaemonError, DaemonUnavailable, Transport
 
@@ -51,11 +53,9 @@ class KVTierClient:
         self.layout = layout
         self.namespace = namespace or layout.namespace
         self._tables = build_page_tables(layout, kv_caches)
-        for layers in self._tables:
-            if layers and layers[0].pages.device.type != "cpu":
-                raise ValueError(
-                    f"layer {layers[0].name!r} is on {layers[0].pages.device}; this client build "
-                    "copies CPU tensors only (the CUDA path uses the GPU kernels)")
+        device = tables_device(self._tables)  # CUDA: GPU kernels and a CUDA IPC staging buffer
+        self._cuda = (CudaCopier(self._tables, layout.blocks_per_chunk, device)
+                      if device.type == "cuda" else None)
         largest = max((layout.chunk_nbytes(g) for g, ok in enumerate(layout.offloadable) if ok),
                       default=0)
         self.staging_bytes = staging_bytes or max(DEFAULT_STAGING_BYTES, align(largest) * 2)
@@ -84,11 +84,13 @@ class KVTierClient:
     # -- public API ------------------------------------------------------------------------------
     def store(self, chunks: Sequence[Chunk]) -> Future[list[bool]]:
         chunks = self._checked(chunks)
-        return self._executor.submit(self._guarded, self._store, chunks)
+        ready = self._cuda.caller_ready() if self._cuda else None  # the caller's KV writes
+        return self._executor.submit(self._guarded, self._store, chunks, ready)
 
     def load(self, chunks: Sequence[Chunk]) -> Future[list[bool]]:
         chunks = self._checked(chunks)
-        return self._executor.submit(self._guarded, self._load, chunks)
+        ready = self._cuda.caller_ready() if self._cuda else None
+        return self._executor.submit(self._guarded, self._load, chunks, ready)
 
     def lookup(self, chunks: Sequence[Chunk], lease: bool = False) -> list[bool]:
         chunks = self._checked(chunks)
@@ -107,6 +109,8 @@ class KVTierClient:
         self._closed.set()
         self._executor.submit(self._bye).result()
         self._executor.shutdown(wait=True)
+        if self._cuda is not None:
+            self._cuda.close()  # frees the retired device staging buffers
 
     def __enter__(self) -> KVTierClient:
         return self
@@ -146,7 +150,8 @@ class KVTierClient:
     def _ensure_session(self) -> None:
         if self._staging is not None:
             return
-        staging = ShmStagingBuffer(self.staging_bytes)
+        staging = (self._cuda.new_staging(self.staging_bytes) if self._cuda
+                   else ShmStagingBuffer(self.staging_bytes))
         try:
             header, _ = self._transport.call(
                 Op.HELLO, namespace=self.namespace, rank=self.layout.rank,
@@ -217,22 +222,33 @@ class KVTierClient:
     def _items(self, batch: list[tuple[Chunk, int]]) -> list[list]:
         return [[c.key, off, self.layout.chunk_nbytes(c.group)] for c, off in batch]
 
-    def _store(self, chunks: list[Chunk]) -> list[bool]:
+    def _gather(self, units: list[CopyUnit], ready: Any) -> None:
+        if self._cuda is None:
+            gather(self._tables, units, self._staging_tensor())
+        else:  # returns once the bytes are in staging: the PUT may go
+            self._cuda.gather(units, self._staging, ready)
+
+    def _scatter(self, units: list[CopyUnit], ready: Any) -> None:
+        if self._cuda is None:
+            scatter(self._tables, units, self._staging_tensor())
+        else:  # returns once the blocks hold the bytes: the load's future may resolve
+            self._cuda.scatter(units, self._staging, ready)
+
+    def _store(self, chunks: list[Chunk], ready: Any = None) -> list[bool]:
         out: list[bool] = []
         for batch in self._batches(chunks):
             units = self._units(batch)
-            header, _ = self._call(Op.PUT, lambda: gather(self._tables, units, self._staging_tensor()),
+            header, _ = self._call(Op.PUT, lambda: self._gather(units, ready),
                                    items=self._items(batch))
             out.extend(status in STORED for status in header["results"])
         return out
 
-    def _load(self, chunks: list[Chunk]) -> list[bool]:
+    def _load(self, chunks: list[Chunk], ready: Any = None) -> list[bool]:
         out: list[bool] = []
         for batch in self._batches(chunks):
             header, _ = self._call(Op.GET, items=self._items(batch))
             hits = [status == Status.OK for status in header["results"]]
-            scatter(self._tables, [u for u, hit in zip(self._units(batch), hits) if hit],
-                    self._staging_tensor())
+            self._scatter([u for u, hit in zip(self._units(batch), hits) if hit], ready)
             out.extend(hits)
         return out
 

@@ -50,6 +50,7 @@ from kvtierd.tiers.arena import SHM_DIR, Arena
 from kvtierd.tiers.index_db import ChunkIndexDB
 from kvtierd.tiers.cpu import CpuTier
 from kvtierd.tiers.nvme import NvmeTier
+from kvtierd.tiers.pinning import ArenaPinner
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class Daemon:
         self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s)
         accounting = Accounting(self.metrics)
         self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting)
+        self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
+        self.handlers.pinning = self.pinner.stats
         self.data = DataOps(cfg, self.mover, self.sessions, self.engine, self.metrics, accounting,
                             self._send)
         # Capacity planning: what each tier's hit ratio would be if it were 2x/4x larger.
@@ -171,6 +174,7 @@ class Daemon:
                      __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
                      self.cfg.page_bytes)
             self.notifier.ready(f"serving on {self.cfg.socket}")
+            self.pinner.start()  # cudaHostRegister in the background (no CUDA: "unavailable")
             if on_ready is not None:
                 on_ready()
             self._loop()
@@ -302,6 +306,7 @@ class Daemon:
         self.metrics.close()
         if self.tier.db is not None:
             self.tier.db.close()
+        self.pinner.close()  # unregistered before the arena is unmapped
         self.arena.close(unlink=not self.cfg.cpu_persistent)
         log.info("kvtierd stopped")
 

@@ -10,8 +10,9 @@ import hmac
 import logging
 import os
 import time
+from typing import Callable
 
-from kvtierd import __version__
+from kvtierd import __version__, staging_cuda
 from kvtierd.config import Config
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
@@ -21,6 +22,7 @@ from kvtierd.server.accounting import Accounting
 from kvtierd.server.movement import TierMover
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.staging import ShmStaging
+from kvtierd.staging_cuda import CudaIpcStaging
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class OpHandlers:
         self.ghosts = GhostCaches([], cfg.page_bytes)  # the daemon sets the real ones
         self.started_at = time.time()
         self.metrics_address: str = ""
+        self.pinning: Callable[[], dict] | None = None  # the arena's CUDA pinning progress
 
     # -- session ---------------------------------------------------------------------------------
     def hello(self, identity: bytes, header: dict, frames: list) -> dict:
@@ -89,20 +92,16 @@ class OpHandlers:
             "max_staging_bytes": self.cfg.max_staging_bytes,
         }
 
-    def _open_staging(self, spec: dict) -> ShmStaging | None:
+    def _open_staging(self, spec: dict) -> ShmStaging | CudaIpcStaging | None:
         kind = spec.get("kind")
         if kind == "inline":
             return None
         if kind == "shm":
             return ShmStaging(spec.get("name"), spec.get("nbytes"), self.cfg.max_staging_bytes)
-        if kind == "cuda_ipc":
-            raise ProtocolError(
-                Status.BAD_HANDLE,
-                "staging kind 'cuda_ipc' needs a daemon built with CUDA; this one has no CUDA "
-                "support: use 'shm' staging",
-            )
+        if kind == "cuda_ipc":  # refused with the reason when this daemon has no CUDA
+            return CudaIpcStaging(spec, self.cfg.max_staging_bytes)
         raise ProtocolError(
-            Status.BAD_HANDLE, f"staging kind {kind!r} is unknown; allowed: shm, inline"
+            Status.BAD_HANDLE, f"staging kind {kind!r} is unknown; allowed: shm, cuda_ipc, inline"
         )
 
     def bye(self, session: Session, header: dict, frames: list) -> dict:
@@ -169,6 +168,8 @@ class OpHandlers:
                 "sessions": len(self.sessions),
                 "counts": dict(self.accounting.counts),
                 "ghosts": self.ghosts.stats(),
+                "cuda": {"pinning": self.pinning() if self.pinning else None,
+                         **staging_cuda.stats()},
             }
         }
 
