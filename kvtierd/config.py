@@ -78,6 +78,9 @@ class Config:
     io_threads: int = 4
     # Test-only: a JSON file naming errnos to inject into NVMe ops ({"write": "ENOSPC"}); empty = off.
     nvme_fault_file: str = ""
+    # Register the arena with cudaHostRegister (in the background) when CUDA is present, so that
+    # staging <-> arena copies are DMA; costs a CUDA context on device 0. No effect without CUDA.
+    cuda_pin_arena: bool = True
     # Try to mlock the arena (needs RLIMIT_MEMLOCK); a refusal is a warning, not an error.
     mlock: bool = True
     # Eviction starts when used bytes pass high_watermark * capacity and stops at low_watermark.

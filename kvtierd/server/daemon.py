@@ -112,6 +112,7 @@ class Daemon:
         accounting = Accounting(self.metrics)
         self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting)
         self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
+        self._ready_sent = False
         self.handlers.pinning = self.pinner.stats
         self.data = DataOps(cfg, self.mover, self.sessions, self.engine, self.metrics, accounting,
                             self._send)
@@ -173,13 +174,28 @@ class Daemon:
             log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes)",
                      __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
                      self.cfg.page_bytes)
-            self.notifier.ready(f"serving on {self.cfg.socket}")
-            self.pinner.start()  # cudaHostRegister in the background (no CUDA: "unavailable")
+            if self.cfg.cuda_pin_arena:
+                self.pinner.start()  # cudaHostRegister in the background (no CUDA: "unavailable")
+            self._announce_when_pinned()
             if on_ready is not None:
                 on_ready()
             self._loop()
         finally:
             self._shutdown()
+
+    def _announce_when_pinned(self) -> None:
+        """systemd READY=1 once the arena is pinned (or pinning is off/impossible): requests are
+        served meanwhile, but a unit ordered after kvtierd should find full-speed DMA."""
+        if self._ready_sent:
+            return
+        if self.pinner.state == "pinning":
+            self.notifier.status(f"pinning the arena for CUDA: {self.pinner.pinned_bytes} of "
+                                 f"{self.arena.nbytes} bytes registered")
+            return
+        self._ready_sent = True
+        detail = f"arena pinning {self.pinner.state}" + (
+            f" ({self.pinner.reason})" if self.pinner.reason else "")
+        self.notifier.ready(f"serving on {self.cfg.socket}; {detail}")
 
     def _bind(self) -> None:
         self.ctx = zmq.Context()
@@ -263,6 +279,7 @@ class Daemon:
 
     def _housekeeping(self, now: float) -> None:
         self.notifier.watchdog(now)
+        self._announce_when_pinned()
         due = [t for t in self._probes if t <= now]
         if due:
             self._probes = [t for t in self._probes if t > now]
