@@ -22,13 +22,14 @@ from kvtierd.eviction import make_policy
 from kvtierd.protocol import Status
 from kvtierd.tiers.allocator import PageAllocator
 from kvtierd.tiers.arena import Arena
+from kvtierd.tiers.base import TierIndex
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
 
 log = logging.getLogger(__name__)
 
 
-class CpuTier:
+class CpuTier(TierIndex):
     name = "cpu"
 
     def __init__(
@@ -170,16 +171,6 @@ class CpuTier:
         self.counters["aborts"] += 1
 
     # -- reads -----------------------------------------------------------------------------------
-    def lookup(self, ikey: Hashable, fingerprint: str) -> tuple[Status, ChunkEntry | None]:
-        entry = self.index.get(ikey)
-        if entry is None or entry.state is not ChunkState.READY:
-            return Status.MISS, None
-        if entry.fingerprint != fingerprint:
-            self.counters["layout_mismatch"] += 1
-            return Status.LAYOUT_MISMATCH, None
-        self.policy.touch(ikey)
-        return Status.OK, entry
-
     def acquire(self, entry: ChunkEntry) -> None:
         entry.ref_count += 1
 

@@ -25,6 +25,7 @@ from kvtierd.eviction import make_policy
 from kvtierd.protocol import Status
 from kvtierd.tiers.allocator import PageAllocator, Run
 from kvtierd.tiers.arena import Arena
+from kvtierd.tiers.base import TierIndex
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
 from kvtierd.tiers.nvme_file import (
@@ -44,7 +45,7 @@ class IntegrityError(Exception):
     """Bytes read back do not match the checksum recorded when the chunk was committed."""
 
 
-class NvmeTier:
+class NvmeTier(TierIndex):
     name = "nvme"
 
     def __init__(
@@ -180,16 +181,6 @@ class NvmeTier:
         self.counters["write_failures"] += 1
 
     # -- reads (promotion) -------------------------------------------------------------------------
-    def lookup(self, ikey: Hashable, fingerprint: str) -> tuple[Status, ChunkEntry | None]:
-        entry = self.index.get(ikey)
-        if entry is None or entry.state is not ChunkState.READY:
-            return Status.MISS, None
-        if entry.fingerprint != fingerprint:
-            self.counters["layout_mismatch"] += 1
-            return Status.LAYOUT_MISMATCH, None
-        self.policy.touch(ikey)
-        return Status.OK, entry
-
     def read_job(self, entry: ChunkEntry, arena: Arena, dst_runs: list[Run],
                  dst_segments: list[tuple[int, int]]) -> Callable[[], int]:
         """Read the entry's pages into ``dst_runs`` of the arena and verify the checksum."""

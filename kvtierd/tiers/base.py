@@ -1,0 +1,30 @@
+"""What every tier's index does alike: find a READY chunk for a reader of one layout."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Hashable
+
+from kvtierd.eviction.base import EvictionPolicy
+from kvtierd.protocol import Status
+from kvtierd.tiers.chunk import ChunkEntry, ChunkState
+
+
+class TierIndex:
+    """Mixin: needs ``index``, ``policy`` and ``counters`` on the tier."""
+
+    index: dict[Hashable, ChunkEntry]
+    policy: EvictionPolicy
+    counters: Counter[str]
+
+    def lookup(self, ikey: Hashable, fingerprint: str) -> tuple[Status, ChunkEntry | None]:
+        """The READY chunk under ``ikey`` (touched for the eviction policy), a MISS, or
+        LAYOUT_MISMATCH when it was written by another layout: never bytes for the wrong reader."""
+        entry = self.index.get(ikey)
+        if entry is None or entry.state is not ChunkState.READY:
+            return Status.MISS, None
+        if entry.fingerprint != fingerprint:
+            self.counters["layout_mismatch"] += 1
+            return Status.LAYOUT_MISMATCH, None
+        self.policy.touch(ikey)
+        return Status.OK, entry
