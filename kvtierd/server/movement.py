@@ -77,9 +77,11 @@ class TierMover:
         return tiers
 
     def space_coming(self) -> bool:
-        """Whether arena pages may free up without anyone asking: demotions in flight, or PENDING
-        chunks (their commit makes them evictable; their abort frees them)."""
-        return self.cpu.demoting_pages > 0 or self.cpu.pending_pages > 0
+        """Whether arena pages may free up without anyone asking: demotions in flight, PENDING
+        chunks (their commit makes them evictable; their abort frees them), or chunks held by
+        copies in flight (evictable once released)."""
+        return (self.cpu.demoting_pages > 0 or self.cpu.pending_pages > 0
+                or self.cpu.held_pages > 0)
 
     # -- writes ------------------------------------------------------------------------------------
     def demote(self, entry: ChunkEntry) -> bool:

@@ -58,6 +58,7 @@ class CpuTier(TierIndex):
         # pages are reused). None: a private arena that dies with the process.
         self.db: ChunkIndexDB | None = None
         self.demoting_pages = 0  # pages of chunks being demoted: free soon, not yet
+        self.held_pages = 0  # pages (counted per reference) of chunks copies are reading now
         self.index: dict[Hashable, ChunkEntry] = {}
         self._doomed: set[ChunkEntry] = set()
         self.counters: Counter[str] = Counter()
@@ -173,10 +174,12 @@ class CpuTier(TierIndex):
     # -- reads -----------------------------------------------------------------------------------
     def acquire(self, entry: ChunkEntry) -> None:
         entry.ref_count += 1
+        self.held_pages += entry.pages
 
     def release(self, entry: ChunkEntry) -> None:
         assert entry.ref_count > 0, "release without acquire"
         entry.ref_count -= 1
+        self.held_pages -= entry.pages
         if entry.doomed and entry.ref_count == 0:
             self._doomed.discard(entry)
             self.allocator.free(entry.runs)

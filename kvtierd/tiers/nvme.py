@@ -84,6 +84,7 @@ class NvmeTier(TierIndex):
         self._doomed: set[ChunkEntry] = set()
         self._to_free: list[ChunkEntry] = []  # left the index; rows to delete, then pages to free
         self.on_drop: Callable[[ChunkEntry], None] = lambda entry: None
+        self.ready_chunks = self.ready_pages = 0
         self._recover(on_status or (lambda _: None))
 
     # -- start-up ----------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ class NvmeTier(TierIndex):
         for n, row in enumerate(self.db.rows(), 1):
             pages = sum(c for _, c in row.runs)
             if pages != max(1, -(-row.nbytes // self.page_bytes)) or any(
-                s + c > self.num_pages for s, c in row.runs
+                c <= 0 or s < 0 or s + c > self.num_pages for s, c in row.runs
             ):
                 bad.append(row.ikey)
                 continue
@@ -104,6 +105,8 @@ class NvmeTier(TierIndex):
                                checksum=row.checksum)
             self.index[row.ikey] = entry
             self.policy.insert(row.ikey)
+            self.ready_chunks += 1
+            self.ready_pages += entry.pages
             used.extend(row.runs)
             if n % RECOVERY_LOG_EVERY == 0:
                 msg = f"recovering NVMe index: {n}/{total} chunks"
@@ -116,6 +119,7 @@ class NvmeTier(TierIndex):
                       len(self.index))
             bad.extend(self.index)
             self.index.clear()
+            self.ready_chunks = self.ready_pages = 0
             self.policy = make_policy("lru")
             self.allocator = PageAllocator(self.num_pages)
         if bad:
@@ -142,7 +146,7 @@ class NvmeTier(TierIndex):
             return None
         runs = self.allocator.allocate(pages)
         if runs is None:
-            self.evict(pages - self.allocator.free_pages)
+            self._reclaim(pages)
             runs = self.allocator.allocate(pages)
             if runs is None:
                 self.counters["reserve_no_space"] += 1
@@ -151,6 +155,20 @@ class NvmeTier(TierIndex):
                            checksum=checksum)
         self.index[ikey] = entry
         return entry
+
+    def _reclaim(self, pages: int) -> None:
+        """Free at least ``pages`` pages now: evict LRU chunks, then delete their rows (and any
+        other rows waiting to go) synchronously — one transaction — before reusing their pages.
+
+        Synchronous because the caller (a demotion) needs the pages now; evicting a little more
+        than needed (1/64 of the tier) keeps this to one fsync per many demotions.
+        """
+        slack = max(1, self.num_pages // 64)
+        self.evict(pages + slack - self.allocator.free_pages - self.pending_free_pages)
+        entries = self.take_deletions()
+        if entries:
+            self.db.delete([e.ikey for e in entries])
+            self.deleted(entries)
 
     def write_job(self, items: list[tuple[ChunkEntry, list[Run]]], arena: Arena
                   ) -> Callable[[], int]:
@@ -172,6 +190,8 @@ class NvmeTier(TierIndex):
     def commit(self, entry: ChunkEntry) -> None:
         entry.state = ChunkState.READY
         self.policy.insert(entry.ikey)
+        self.ready_chunks += 1
+        self.ready_pages += entry.pages
         self.counters["writes"] += 1
 
     def abort(self, entry: ChunkEntry) -> None:
@@ -207,6 +227,8 @@ class NvmeTier(TierIndex):
     def drop(self, entry: ChunkEntry) -> None:
         """Remove a READY chunk from the index now; its pages come back via ``delete_job``."""
         del self.index[entry.ikey]
+        self.ready_chunks -= 1
+        self.ready_pages -= entry.pages
         self.policy.remove(entry.ikey)
         self.on_drop(entry)
         if entry.ref_count:
@@ -263,13 +285,12 @@ class NvmeTier(TierIndex):
 
     # -- introspection -----------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        ready = [e for e in self.index.values() if e.state is ChunkState.READY]
-        return {
+        return {  # O(1): running totals, however big the index
             "capacity_bytes": self.capacity_bytes,
             "used_bytes": self.used_bytes,
-            "committed_bytes": sum(e.pages for e in ready) * self.page_bytes,
-            "chunks": len(ready),
-            "pending_chunks": len(self.index) - len(ready),
+            "committed_bytes": self.ready_pages * self.page_bytes,
+            "chunks": self.ready_chunks,
+            "pending_chunks": len(self.index) - self.ready_chunks,
             "direct_io": int(self.direct_io),
             **self.counters,
         }
@@ -288,6 +309,8 @@ class NvmeTier(TierIndex):
         assert end <= self.num_pages
         ready = {k for k, e in self.index.items() if e.state is ChunkState.READY}
         assert len(self.policy) == len(ready), "NVMe policy and READY chunks disagree"
+        assert self.ready_chunks == len(ready), "NVMe ready chunk count drifted"
+        assert self.ready_pages == sum(self.index[k].pages for k in ready), "NVMe pages drifted"
 
     def close(self) -> None:
         self.file.close()

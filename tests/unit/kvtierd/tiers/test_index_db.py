@@ -1,0 +1,189 @@
+"""ChunkIndexDB: the crash-safe SQLite (WAL) index of a tier, on real files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from kvtierd.tiers.index_db import SCHEMA_VERSION, ChunkIndexDB, IndexRow, pack_runs, unpack_runs
+
+META = {"page_bytes": "4096", "nvme_bytes": "1048576"}
+
+
+def row(key: bytes, runs=((0, 1),), *, ns: str = "ns", rank: int = 0, fp: str = "fp",
+        nbytes: int | None = None) -> IndexRow:
+    runs = [tuple(r) for r in runs]
+    pages = sum(c for _, c in runs)
+    return IndexRow(ns, rank, key, fp, nbytes if nbytes is not None else pages * 4096 - 7,
+                    os.urandom(16), runs)
+
+
+@pytest.fixture
+def path(tmp_path):
+    return tmp_path / "index.sqlite"
+
+
+def all_rows(db: ChunkIndexDB) -> dict:
+    return {r.ikey: r for r in db.rows()}
+
+
+# -- runs encoding ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("runs", [[], [(0, 1)], [(5, 3), (0, 2), (9, 1)], [(2**40 + 3, 2**33)],
+                                  [(2**64 - 2, 1)]])
+def test_pack_unpack_runs_round_trip(runs):
+    blob = pack_runs(runs)
+    assert len(blob) == 16 * len(runs)
+    assert blob == b"".join(struct.pack("<QQ", s, c) for s, c in runs)  # little-endian u64 pairs
+    assert [tuple(r) for r in unpack_runs(blob)] == runs
+
+
+def test_packed_runs_are_little_endian_u64_pairs():
+    assert pack_runs([(1, 2)]) == bytes([1] + [0] * 7 + [2] + [0] * 7)
+    assert unpack_runs(bytes([0, 1] + [0] * 6 + [3] + [0] * 7)) == [(256, 3)]
+
+
+# -- rows ------------------------------------------------------------------------------------------
+
+def test_insert_rows_delete_round_trip(path):
+    db = ChunkIndexDB(path, META)
+    assert db.reset_reason == "" and db.count() == 0 and list(db.rows()) == []
+    a, b = row(b"a", [(0, 2)]), row(b"\x00\xffbin", [(7, 1), (3, 2)], ns="other", rank=3)
+    c = row(b"a", [(9, 1)], rank=1)  # same key, other rank: another chunk
+    db.insert([a, b])
+    db.insert([c])
+    assert db.count() == 3
+    got = all_rows(db)
+    assert got == {a.ikey: a, b.ikey: b, c.ikey: c}
+    assert got[b.ikey].runs == [(7, 1), (3, 2)]  # payload order, not sorted
+    assert isinstance(got[b.ikey].key, bytes) and isinstance(got[b.ikey].checksum, bytes)
+    db.delete([a.ikey, (("nope", 0), b"x")])  # an absent key is no error
+    assert all_rows(db) == {b.ikey: b, c.ikey: c}
+    db.close()
+    db = ChunkIndexDB(path, META)  # and it is all on disk
+    assert all_rows(db) == {b.ikey: b, c.ikey: c}
+    db.close()
+
+
+def test_insert_replaces_a_row_with_the_same_key(path):
+    db = ChunkIndexDB(path, META)
+    old, new = row(b"k", [(0, 1)]), row(b"k", [(4, 2)], fp="fp2")
+    db.insert([old])
+    db.insert([new])
+    assert db.count() == 1 and all_rows(db)[new.ikey] == new
+    db.close()
+
+
+def test_rows_iterates_every_row_in_batches(path):
+    db = ChunkIndexDB(path, META)
+    rows = [row(b"k%03d" % i, [(i, 1)]) for i in range(25)]
+    db.insert(rows)
+    assert sorted(r.key for r in db.rows(batch=4)) == sorted(r.key for r in rows)
+    db.close()
+
+
+def test_index_is_in_wal_mode(path):
+    ChunkIndexDB(path, META).close()
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert dict(conn.execute("SELECT k, v FROM meta")) == {"schema": str(SCHEMA_VERSION),
+                                                               **META}
+    finally:
+        conn.close()
+
+
+def test_insert_from_another_thread(path):
+    db = ChunkIndexDB(path, META)  # I/O threads insert; the loop thread reads at start-up
+    rows = [row(b"t%d" % i, [(i, 1)]) for i in range(8)]
+    threads = [threading.Thread(target=db.insert, args=([r],)) for r in rows]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert db.count() == 8
+    db.close()
+
+
+# -- meta ------------------------------------------------------------------------------------------
+
+def test_same_meta_keeps_the_rows(path):
+    db = ChunkIndexDB(path, META)
+    db.insert([row(b"kept")])
+    db.close()
+    db = ChunkIndexDB(path, dict(META))
+    assert db.reset_reason == "" and db.count() == 1
+    db.close()
+
+
+def test_changed_meta_resets_the_index_and_says_why(path):
+    db = ChunkIndexDB(path, META)
+    db.insert([row(b"a"), row(b"b", [(1, 1)])])
+    db.close()
+    db = ChunkIndexDB(path, {**META, "page_bytes": "8192"})
+    assert db.count() == 0
+    assert "page_bytes" in db.reset_reason and "4096" in db.reset_reason \
+        and "8192" in db.reset_reason
+    assert "nvme_bytes" not in db.reset_reason
+    db.insert([row(b"c")])
+    db.close()
+    db = ChunkIndexDB(path, {**META, "page_bytes": "8192"})  # the new meta was recorded
+    assert db.reset_reason == "" and db.count() == 1
+    db.close()
+
+
+def test_new_meta_key_resets_too(path):
+    ChunkIndexDB(path, META).close()
+    db = ChunkIndexDB(path, {**META, "extra": "1"})
+    assert "extra" in db.reset_reason
+    db.close()
+
+
+# -- crash safety ----------------------------------------------------------------------------------
+
+CRASHER = """
+import os, signal, sys
+from pathlib import Path
+from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
+db = ChunkIndexDB(Path(sys.argv[1]), {"page_bytes": "4096", "nvme_bytes": "1048576"})
+db.insert([IndexRow("ns", 0, b"durable", "fp", 4000, b"c" * 16, [(3, 1)])])
+if sys.argv[2] == "exit":
+    os._exit(0)  # no close, no checkpoint, no atexit
+print("inserted", flush=True)
+sys.stdin.read()  # wait for SIGKILL
+"""
+
+
+@pytest.mark.parametrize("how", ["os._exit", "kill -9"])
+def test_committed_row_survives_the_process_dying(path, how):
+    code = textwrap.dedent(CRASHER)
+    if how == "os._exit":
+        done = subprocess.run([sys.executable, "-c", code, str(path), "exit"], timeout=60)
+        assert done.returncode == 0
+    else:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(path), "wait"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "inserted"
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(timeout=10) == -signal.SIGKILL
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdin.close()
+            proc.stdout.close()
+    db = ChunkIndexDB(path, META)
+    assert db.reset_reason == ""
+    rows = list(db.rows())
+    assert [(r.key, r.runs, r.nbytes, r.checksum) for r in rows] == \
+        [(b"durable", [(3, 1)], 4000, b"c" * 16)]
+    db.close()
