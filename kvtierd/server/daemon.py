@@ -113,6 +113,7 @@ class Daemon:
         self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting)
         self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
         self._ready_sent = False
+        self._pinned_reported = -1
         self.handlers.pinning = self.pinner.stats
         self.data = DataOps(cfg, self.mover, self.sessions, self.engine, self.metrics, accounting,
                             self._send)
@@ -189,8 +190,10 @@ class Daemon:
         if self._ready_sent:
             return
         if self.pinner.state == "pinning":
-            self.notifier.status(f"pinning the arena for CUDA: {self.pinner.pinned_bytes} of "
-                                 f"{self.arena.nbytes} bytes registered")
+            if self.pinner.pinned_bytes != self._pinned_reported:  # progress, not every tick
+                self._pinned_reported = self.pinner.pinned_bytes
+                self.notifier.status(f"pinning the arena for CUDA: {self.pinner.pinned_bytes} "
+                                     f"of {self.arena.nbytes} bytes registered")
             return
         self._ready_sent = True
         detail = f"arena pinning {self.pinner.state}" + (
