@@ -28,3 +28,20 @@ class TierIndex:
             return Status.LAYOUT_MISMATCH, None
         self.policy.touch(ikey)
         return Status.OK, entry
+
+    def pick_victims(self, pages_needed: int) -> tuple[list[ChunkEntry], int]:
+        """Coldest evictable chunks (READY, unleased, unread, not demoting) covering
+        ``pages_needed`` pages, and the pages they hold; nothing when none are needed."""
+        victims: list[ChunkEntry] = []
+        freed = 0
+        if pages_needed <= 0:
+            return victims, freed
+        for ikey in self.policy.victims():
+            entry = self.index[ikey]
+            if not entry.evictable:
+                continue
+            victims.append(entry)
+            freed += entry.pages
+            if freed >= pages_needed:
+                break
+        return victims, freed

@@ -221,18 +221,7 @@ class CpuTier(TierIndex):
         With ``all_or_nothing`` (a PUT making room) nothing is evicted unless enough can be: a PUT
         that fails anyway must not empty the cache on its way.
         """
-        if pages_needed <= 0:
-            return 0
-        victims: list[ChunkEntry] = []
-        freed = 0
-        for ikey in self.policy.victims():
-            entry = self.index[ikey]
-            if not entry.evictable:
-                continue
-            victims.append(entry)
-            freed += entry.pages
-            if freed >= pages_needed:
-                break
+        victims, freed = self.pick_victims(pages_needed)
         if all_or_nothing and freed < pages_needed:
             return 0
         for entry in victims:

@@ -259,16 +259,7 @@ class NvmeTier(TierIndex):
             self.pending_free_pages -= entry.pages
 
     def evict(self, pages_needed: int) -> int:
-        freed = 0
-        victims = []
-        for ikey in self.policy.victims():
-            entry = self.index[ikey]
-            if not entry.evictable:
-                continue
-            victims.append(entry)
-            freed += entry.pages
-            if freed >= pages_needed:
-                break
+        victims, freed = self.pick_victims(pages_needed)
         for entry in victims:
             self.drop(entry)
             self.counters["evictions"] += 1
