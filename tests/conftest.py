@@ -26,8 +26,12 @@ def daemon_factory(tmp_path):
         return proc
 
     yield start
-    for proc in started:
-        proc.stop_and_verify()
+    try:
+        for proc in started:
+            proc.stop_and_verify()
+    finally:
+        for proc in started:
+            proc.remove_nvme_data()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from kvtierd.protocol import Op
 class DaemonProcess:
     def __init__(self, workdir: Path, flags: list[str], cpu_bytes: str = "64MiB",
                  page_bytes: str = "64KiB", env: dict | None = None,
-                 nvme_bytes: str = "256MiB") -> None:
+                 nvme_bytes: str = "64MiB") -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.address = f"ipc://{workdir / 'kvtierd.sock'}"
@@ -112,3 +112,9 @@ class DaemonProcess:
                 path.unlink(missing_ok=True)
         assert not Path(f"/dev/shm/{self.arena_name}").exists(), "arena left in /dev/shm"
         assert "Traceback" not in self.log(), self.log()
+
+    def remove_nvme_data(self) -> None:
+        """The test is over (not just this process: a restart may follow a stop): free the
+        preallocated NVMe file now (a run starts ~150 daemons, and
+        pytest keeps the last runs' tmp dirs), keeping the log and index for a post-mortem."""
+        (self.workdir / "nvme" / "chunks.data").unlink(missing_ok=True)

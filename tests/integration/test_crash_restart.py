@@ -10,6 +10,8 @@ rows name).
 
 from __future__ import annotations
 
+import functools
+
 import random
 import subprocess
 import sys
@@ -43,6 +45,13 @@ from kvtierd.protocol import Status, Tier
 
 pytestmark = pytest.mark.timeout(120)
 
+
+@pytest.fixture
+def daemon_factory(daemon_factory):
+    """These tests fill the NVMe tier: give it the room they were written for (the shared
+    default is smaller, to keep a whole test run's preallocated files small)."""
+    return functools.partial(daemon_factory, nvme_bytes="256MiB")
+
 TESTS_DIR = Path(__file__).resolve().parent.parent
 PAGE = 64 * 1024
 SMALL_CPU = "4MiB"
@@ -71,6 +80,7 @@ WRITER = """
 import torch
 from helpers.nvme import fill_numbered, numbered_chunk, numbered_layout
 from kvtier_client import KVTierClient
+
 
 address, first, count, record = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 BATCH = 8

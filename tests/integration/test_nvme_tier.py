@@ -7,6 +7,8 @@ miss must leave its blocks poisoned. Chunks are ~1 MiB and end inside a daemon p
 
 from __future__ import annotations
 
+import functools
+
 import json
 import subprocess
 import sys
@@ -32,6 +34,14 @@ from helpers.nvme import (
 
 from kvtier_client import KVTierClient
 from kvtierd.protocol import Status, Tier
+
+
+@pytest.fixture
+def daemon_factory(daemon_factory):
+    """These tests fill the NVMe tier: give it the room they were written for (the shared
+    default is smaller, to keep a whole test run's preallocated files small)."""
+    return functools.partial(daemon_factory, nvme_bytes="256MiB")
+
 
 pytestmark = pytest.mark.timeout(120)
 
