@@ -165,7 +165,8 @@ def test_build_steps_replayed_give_a_daemon_that_serves_and_passes_its_health_ch
     socket_path.parent.mkdir(mode=0o750)
     env.update(PATH=f"{venv / 'bin'}:{env['PATH']}", KVTIERD_SOCKET=f"ipc://{socket_path}",
                KVTIERD_METRICS_ADDR="127.0.0.1:0", XDG_STATE_HOME=str(tmp_path / "state"),
-               KVTIERD_CPU_BYTES="16MiB", KVTIERD_ARENA_NAME=f"kvtierd-docker-test-{os.getpid()}")
+               KVTIERD_CPU_BYTES="16MiB", KVTIERD_NVME_BYTES="64MiB",
+               KVTIERD_ARENA_NAME=f"kvtierd-docker-test-{os.getpid()}")
     words = dict(stage)
     entry = exec_form(words["ENTRYPOINT"])
     health = exec_form(words["HEALTHCHECK"].split("CMD", 1)[1].strip())
