@@ -22,11 +22,8 @@ import ctypes
 import json
 import mmap
 import os
-import secrets
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,38 +34,10 @@ import msgpack
 import zmq
 
 from kvtierd.protocol import PROTOCOL_VERSION, Op
+from raw_session import Session
 
 SIZES = {"256KiB": 256 * 1024, "2MiB": 2 * 1024**2, "16MiB": 16 * 1024**2}
 BATCH_BYTES = 64 * 1024**2
-
-
-class Session:
-    """A minimal raw client: one DEALER and one shm staging buffer (what KVTierClient does)."""
-
-    def __init__(self, address: str, nbytes: int) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.connect(address)
-        self.name = f"kvtier-stg-bench-{secrets.token_hex(6)}"
-        fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, nbytes)
-        self.buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        os.close(fd)
-        self.buf[:] = os.urandom(nbytes)
-        self.nbytes = nbytes
-        self.next_id = 1
-        self.call(Op.HELLO, namespace="bench", rank=0, fingerprint="bench",
-                  staging={"kind": "shm", "name": self.name, "nbytes": nbytes})
-        os.unlink(f"/dev/shm/{self.name}")
-
-    def call(self, op: Op, **fields) -> dict:
-        self.next_id += 1
-        self.sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": int(op), "id": self.next_id,
-                                      **fields}))
-        while True:
-            header = msgpack.unpackb(self.sock.recv_multipart()[0])
-            if header["id"] == self.next_id:
-                assert header["status"] == 0, header
-                return header
 
 
 def start_daemon(workdir: Path, cpu_bytes: str) -> tuple[subprocess.Popen, str]:

@@ -34,7 +34,6 @@ import json
 import mmap
 import os
 import re
-import secrets
 import shutil
 import signal
 import statistics
@@ -50,6 +49,7 @@ import zmq
 
 from kvtierd.protocol import PROTOCOL_VERSION, Op, Tier
 from kvtierd.sizes import format_size, parse_size
+from raw_session import Session
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES = {"2MiB": 2 * 1024**2, "16MiB": 16 * 1024**2}
@@ -134,48 +134,6 @@ class Daemon:
         return lines[-1] if lines else ""
 
 
-class Session:
-    """A raw DEALER with its own shm staging buffer (KVTierClient without the KV copies)."""
-
-    def __init__(self, address: str, nbytes: int, namespace: str = "bench") -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-        self.name = f"kvtier-stg-bench-{secrets.token_hex(6)}"
-        path = f"/dev/shm/{self.name}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            self.buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        finally:
-            os.close(fd)
-        self.buf[:] = os.urandom(nbytes)
-        self.next_id = 1
-        try:
-            self.call(Op.HELLO, namespace=namespace, rank=0, fingerprint="bench-nvme",
-                      staging={"kind": "shm", "name": self.name, "nbytes": nbytes})
-        finally:
-            os.unlink(path)
-
-    def call(self, op: Op, **fields) -> dict:
-        self.next_id += 1
-        self.sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": int(op), "id": self.next_id,
-                                      **fields}))
-        while True:
-            header = msgpack.unpackb(self.sock.recv_multipart()[0])
-            if header["id"] == self.next_id:
-                if header["status"] != 0:
-                    raise RuntimeError(f"{op.name}: {header['name']}: {header['message']}")
-                return header
-
-    def close(self) -> None:
-        try:
-            self.call(Op.BYE)
-        finally:
-            self.sock.close(linger=0)
-            self.buf.close()
-
-
 # -- daemon throughput -----------------------------------------------------------------------------
 
 def bench_daemon(workdir: Path, nvme_dir: Path, label: str, size: int, total: int, args) -> dict:
@@ -188,7 +146,7 @@ def bench_daemon(workdir: Path, nvme_dir: Path, label: str, size: int, total: in
         per_put = max(1, STAGING_BYTES // size)
         count = max(per_put, total // size)
         keys = [f"{label}-{i}".encode() for i in range(count)]
-        writer = Session(daemon.address, per_put * size)
+        writer = Session(daemon.address, per_put * size, fingerprint="bench-nvme")
         before = daemon.settled()["nvme"]
         t0 = time.perf_counter()
         for i in range(0, count, per_put):
@@ -212,7 +170,7 @@ def bench_daemon(workdir: Path, nvme_dir: Path, label: str, size: int, total: in
         per_get = max(1, min(len(on_nvme) // sessions or 1,
                              parse_size(args.cpu_bytes) // (4 * sessions * size)))
         shares = [on_nvme[s::sessions] for s in range(sessions)]
-        readers = [Session(daemon.address, per_get * size) for _ in range(sessions)]
+        readers = [Session(daemon.address, per_get * size, fingerprint="bench-nvme") for _ in range(sessions)]
         got = [0] * sessions
         missed = [0] * sessions
         errors: list[BaseException] = []
@@ -346,7 +304,8 @@ def bench_restart(workdir: Path, base: Path, n_chunks: int, io_threads: int,
     full.start()
     try:
         per_put = 1024
-        session = Session(full.address, per_put * nbytes, namespace="restart")
+        session = Session(full.address, per_put * nbytes, namespace="restart",
+                          fingerprint="bench-nvme")
         stored = 0
         t0 = time.perf_counter()
         while True:
