@@ -8,30 +8,17 @@ import os
 import random
 import re
 import sqlite3
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from helpers.raw import RawClient
+from helpers.wait import wait_for  # noqa: F401  (re-exported for the NVMe tests)
 
 from kvtierd.protocol import Op, Status
 from kvtierd.tiers.index_db import unpack_runs
 
 DATA_NAME = "chunks.data"
 INDEX_NAME = "index.sqlite"
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str,
-             interval_s: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something truthy (returned); fail after the timeout."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"{what}: not reached within {timeout_s} s (last: {last!r})")
 
 
 def payload(seed: Any, nbytes: int) -> bytes:

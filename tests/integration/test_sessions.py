@@ -16,6 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+from helpers.wait import wait_for
 from helpers.daemon import DaemonProcess
 from helpers.kv import (
     assert_chunk_equals,
@@ -35,17 +36,6 @@ pytestmark = pytest.mark.timeout(90)
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 SHM = Path("/dev/shm")
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"{what}: not reached within {timeout_s} s (last: {last!r})")
 
 
 def staging_files(pid: int) -> list[str]:
