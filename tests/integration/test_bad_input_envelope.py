@@ -1,0 +1,305 @@
+"""Bad input from a client: every case gets a clear answer and hurts nobody else (each case also
+checks a bystander session, see tests/helpers/bad_input.py). This file: the message envelope,
+HELLO and its staging handles, auth.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.bad_input import (
+    SHM,
+    packed,
+    bystander,
+    namespace,
+    send_raw,
+    stop_tolerating_traceback,
+    write_toml,
+)
+from helpers.daemon import DaemonProcess
+from helpers.raw import RawClient
+
+from kvtierd.protocol import PROTOCOL_VERSION, Op, Status
+
+pytestmark = pytest.mark.timeout(60)
+
+
+MALFORMED = {
+    # name: (frame, reply id, fragment of the message)
+    "random-bytes-1": (random.Random(1).randbytes(64), None, "not valid msgpack"),
+    "random-bytes-2": (random.Random(2).randbytes(300), None, "not valid msgpack"),
+    "reserved-byte": (b"\xc1", None, "not valid msgpack"),
+    "truncated-map": (packed({"v": 1, "op": 2, "id": 5})[:-1], None, "not valid msgpack"),
+    "huge-array-length": (b"\xdd\xff\xff\xff\xff", None, "not valid msgpack"),
+    "trailing-garbage": (packed({"v": 1, "op": 2, "id": 5}) + b"\x00", None, "not valid msgpack"),
+    "list-not-map": (packed([1, 2, 5]), None, "must be a msgpack map, got list"),
+    "int-not-map": (packed(7), None, "must be a msgpack map, got int"),
+    "int-map-keys": (packed({1: 1, 2: 2}), None, "not valid msgpack"),
+    "missing-id": (packed({"v": PROTOCOL_VERSION, "op": int(Op.PING)}), None,
+                   "request id None is not an int"),
+    "id-is-str": (packed({"v": PROTOCOL_VERSION, "op": int(Op.PING), "id": "7"}), "7",
+                  "request id '7' is not an int"),
+    "id-is-float": (packed({"v": PROTOCOL_VERSION, "op": int(Op.PING), "id": 1.5}), 1.5,
+                    "request id 1.5 is not an int"),
+    "id-is-bool": (packed({"v": PROTOCOL_VERSION, "op": int(Op.PING), "id": True}), True,
+                   "request id True is not an int"),
+    "id-is-list": (packed({"v": PROTOCOL_VERSION, "op": int(Op.PING), "id": [1]}), [1],
+                   "request id [1] is not an int"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_header_is_bad_message(shared, shm, case):
+    frame, reply_id, fragment = MALFORMED[case]
+    with bystander(shared, shm):
+        raw = RawClient(shared.address)
+        try:
+            reply = send_raw(raw, [frame])
+            assert reply["name"] == "BAD_MESSAGE" and reply["status"] == Status.BAD_MESSAGE
+            assert reply["id"] == reply_id, reply
+            assert fragment in reply["message"], reply
+            assert reply["v"] == PROTOCOL_VERSION
+            # the same peer is still served
+            assert raw.request(Op.PING)[0]["name"] == "OK"
+        finally:
+            raw.close()
+
+
+@pytest.mark.parametrize("op", [99, 0, -1, "PUT", 2**40])
+def test_unknown_op(shared, shm, op):
+    with bystander(shared, shm):
+        raw = RawClient(shared.address)
+        try:
+            reply = send_raw(raw, [packed({"v": PROTOCOL_VERSION, "op": op, "id": 12})])
+            assert reply["name"] == "UNKNOWN_OP" and reply["id"] == 12, reply
+            assert f"op {op!r} is unknown" in reply["message"], reply
+            assert "1 (HELLO)" in reply["message"] and "9 (CHECK)" in reply["message"]
+        finally:
+            raw.close()
+
+
+@pytest.mark.parametrize("version", [2, 0, "1", None, "missing"])
+def test_unsupported_protocol_version(shared, shm, version):
+    header = {"op": int(Op.PING), "id": 41}
+    if version != "missing":
+        header["v"] = version
+    with bystander(shared, shm):
+        raw = RawClient(shared.address)
+        try:
+            reply = send_raw(raw, [packed(header)])
+            assert reply["name"] == "UNSUPPORTED_VERSION", reply
+            assert reply["id"] == 41
+            shown = None if version == "missing" else version
+            assert f"protocol version {shown!r} is not supported" in reply["message"], reply
+            assert f"this daemon speaks {PROTOCOL_VERSION}" in reply["message"], reply
+        finally:
+            raw.close()
+
+
+@pytest.mark.parametrize("op,fields", [
+    (Op.LOOKUP, {"keys": [b"k"]}),
+    (Op.PUT, {"items": [[b"k", 0, 4096]]}),
+    (Op.GET, {"items": [[b"k", 0, 4096]]}),
+    (Op.DELETE, {"keys": [b"bystander-chunk"]}),
+    (Op.BYE, {}),
+], ids=["LOOKUP", "PUT", "GET", "DELETE", "BYE"])
+def test_ops_before_hello_need_a_session(shared, shm, op, fields):
+    with bystander(shared, shm):
+        raw = RawClient(shared.address)
+        try:
+            frames = [b"x" * 4096] if op is Op.PUT else None
+            reply, payload = raw.request(op, frames, **fields)
+            assert reply["name"] == "NO_SESSION", reply
+            assert op.name in reply["message"] and "HELLO" in reply["message"], reply
+            assert payload == []
+            # ops that need no session still work for the same peer
+            assert raw.request(Op.PING)[0]["name"] == "OK"
+            assert raw.request(Op.STATS)[0]["name"] == "OK"
+        finally:
+            raw.close()
+
+
+# -- HELLO -----------------------------------------------------------------------------------------
+def _hello_fields(**overrides: Any) -> dict:
+    fields = {"namespace": namespace(), "rank": 0, "fingerprint": "fp-a",
+              "staging": {"kind": "inline"}}
+    for key, value in overrides.items():
+        if value is _DROP:
+            fields.pop(key)
+        else:
+            fields[key] = value
+    return fields
+
+
+_DROP = object()
+
+
+def _assert_no_session(raw: RawClient) -> None:
+    reply, _ = raw.request(Op.LOOKUP, keys=[b"k"])
+    assert reply["name"] == "NO_SESSION", reply
+
+
+HELLO_BAD_FIELDS = {
+    # name: (overrides, fragments of the message)
+    "rank-str": ({"rank": "0"}, ["'rank'", "'0'"]),
+    "rank-negative": ({"rank": -1}, ["rank -1", ">= 0"]),
+    "rank-bool": ({"rank": True}, ["'rank'", "True"]),
+    "rank-float": ({"rank": 0.0}, ["'rank'", "0.0"]),
+    "rank-missing": ({"rank": _DROP}, ["'rank'", "missing"]),
+    "namespace-empty": ({"namespace": ""}, ["namespace", "1..256"]),
+    "namespace-long": ({"namespace": "n" * 257}, ["namespace", "1..256"]),
+    "namespace-int": ({"namespace": 5}, ["'namespace'", "5"]),
+    "namespace-bytes": ({"namespace": b"ns"}, ["'namespace'", "b'ns'"]),
+    "namespace-missing": ({"namespace": _DROP}, ["'namespace'", "missing"]),
+    "fingerprint-empty": ({"fingerprint": ""}, ["fingerprint", "1..128"]),
+    "fingerprint-int": ({"fingerprint": 3}, ["'fingerprint'", "3"]),
+    "staging-str": ({"staging": "shm"}, ["'staging'", "'shm'"]),
+    "staging-missing": ({"staging": _DROP}, ["'staging'", "missing"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HELLO_BAD_FIELDS))
+def test_hello_with_wrong_field_is_bad_request(shared, shm, case):
+    overrides, fragments = HELLO_BAD_FIELDS[case]
+    with bystander(shared, shm):
+        sessions_before = shared.stats()["sessions"]
+        raw = RawClient(shared.address)
+        try:
+            reply, _ = raw.request(Op.HELLO, **_hello_fields(**overrides))
+            assert reply["name"] == "BAD_REQUEST", reply
+            for fragment in fragments:
+                assert fragment in reply["message"], (fragment, reply)
+            _assert_no_session(raw)
+            assert shared.stats()["sessions"] <= sessions_before
+        finally:
+            raw.close()
+
+
+def _staging_case(case: str, shared: DaemonProcess, shm, cleanup: list[Path]):
+    """(staging spec, message fragments) for one bad handle."""
+    if case == "slash":
+        return {"kind": "shm", "name": "../kvtier-stg-x", "nbytes": 4096}, ["'../kvtier-stg-x'"]
+    if case == "slash-inside":
+        name = "kvtier-stg-a/../../../etc/passwd"
+        return {"kind": "shm", "name": name, "nbytes": 4096}, [repr(name), "not allowed"]
+    if case == "dotdot":
+        return {"kind": "shm", "name": "..", "nbytes": 4096}, ["'..'", "not allowed"]
+    if case == "dotdot-suffix":  # a legal-looking name that is no file: cannot be opened
+        name = "kvtier-stg-.."
+        return {"kind": "shm", "name": name, "nbytes": 4096}, [f"/dev/shm/{name}"]
+    if case == "daemon-arena":
+        name = shared.arena_name
+        assert (SHM / name).exists()
+        return {"kind": "shm", "name": name, "nbytes": 4096}, [repr(name), "not allowed"]
+    if case == "name-not-str":
+        return {"kind": "shm", "name": 12, "nbytes": 4096}, ["12", "not allowed"]
+    if case == "name-missing":
+        return {"kind": "shm", "nbytes": 4096}, ["None", "not allowed"]
+    if case == "nonexistent":
+        name = f"kvtier-stg-test-missing-{secrets.token_hex(6)}"
+        return {"kind": "shm", "name": name, "nbytes": 4096}, [f"/dev/shm/{name}", "cannot open"]
+    if case == "smaller-than-announced":
+        buf = shm(4096)
+        return buf.handle(nbytes=8192), [buf.name, "4096 bytes", "8192 announced"]
+    if case == "nbytes-zero":
+        return shm(4096).handle(nbytes=0), ["staging nbytes 0"]
+    if case == "nbytes-negative":
+        return shm(4096).handle(nbytes=-4096), ["staging nbytes -4096"]
+    if case == "nbytes-str":
+        return shm(4096).handle(nbytes="4096"), ["staging nbytes '4096'"]
+    if case == "nbytes-missing":
+        spec = shm(4096).handle()
+        del spec["nbytes"]
+        return spec, ["staging nbytes None"]
+    if case == "symlink":
+        target = shm(4096)
+        link = SHM / f"kvtier-stg-test-link-{secrets.token_hex(6)}"
+        link.symlink_to(target.path)
+        cleanup.append(link)
+        return {"kind": "shm", "name": link.name, "nbytes": 4096}, [link.name, "cannot open"]
+    if case == "directory":
+        path = SHM / f"kvtier-stg-test-dir-{secrets.token_hex(6)}"
+        path.mkdir()
+        cleanup.append(path)
+        return {"kind": "shm", "name": path.name, "nbytes": 4096}, [path.name]
+    if case == "unknown-kind":
+        return {"kind": "tcp"}, ["staging kind 'tcp' is unknown", "shm", "inline"]
+    if case == "kind-missing":
+        return {"name": "kvtier-stg-x", "nbytes": 1}, ["staging kind None is unknown"]
+    if case == "cuda-ipc":
+        return {"kind": "cuda_ipc", "handle": b"\x00" * 64, "nbytes": 4096}, ["CUDA", "shm"]
+    raise AssertionError(case)
+
+
+STAGING_CASES = [
+    "slash", "slash-inside", "dotdot", "dotdot-suffix", "daemon-arena", "name-not-str",
+    "name-missing", "nonexistent", "smaller-than-announced", "nbytes-zero", "nbytes-negative",
+    "nbytes-str", "nbytes-missing", "symlink", "directory", "unknown-kind", "kind-missing",
+    "cuda-ipc",
+]
+
+
+@pytest.mark.parametrize("case", STAGING_CASES)
+def test_hello_with_bad_staging_handle(shared, shm, case):
+    cleanup: list[Path] = []
+    try:
+        with bystander(shared, shm):
+            spec, fragments = _staging_case(case, shared, shm, cleanup)
+            sessions_before = shared.stats()["sessions"]
+            raw = RawClient(shared.address)
+            try:
+                reply, _ = raw.request(Op.HELLO, **_hello_fields(staging=spec))
+                assert reply["name"] == "BAD_HANDLE", reply
+                for fragment in fragments:
+                    assert fragment in reply["message"], (fragment, reply)
+                _assert_no_session(raw)
+                assert shared.stats()["sessions"] <= sessions_before
+            finally:
+                raw.close()
+    finally:
+        for path in cleanup:
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
+
+
+# -- auth ------------------------------------------------------------------------------------------
+def test_auth_token_is_required(daemon_factory, tmp_path, shm):
+    config = write_toml(tmp_path / "auth.toml", 'auth_token = "s3cret"\n')
+    d = daemon_factory("--config", str(config))
+    with bystander(d, shm, token="s3cret"):
+        raw = RawClient(d.address)
+        try:
+            for token in (_DROP, "wrong", "", "s3cret ", "S3CRET", b"s3cret", 5, None):
+                fields = _hello_fields() if token is _DROP else _hello_fields(token=token)
+                reply, _ = raw.request(Op.HELLO, **fields)
+                assert reply["name"] == "AUTH_FAILED", (token, reply)
+                assert "token" in reply["message"] and "s3cret" not in reply["message"]
+                _assert_no_session(raw)
+            reply, _ = raw.request(Op.HELLO, **_hello_fields(token="s3cret"))
+            assert reply["name"] == "OK", reply
+            assert raw.request(Op.LOOKUP, keys=[b"k"])[0]["name"] == "OK"
+        finally:
+            raw.close()
+
+
+def test_non_ascii_auth_token_is_auth_failed(daemon_factory, tmp_path, shm):
+    config = write_toml(tmp_path / "auth.toml", 'auth_token = "s3cret"\n')
+    d = daemon_factory("--config", str(config))
+    try:
+        with bystander(d, shm, token="s3cret"):
+            raw = RawClient(d.address)
+            try:
+                reply, _ = raw.request(Op.HELLO, **_hello_fields(token="sécret"))
+                assert reply["name"] == "AUTH_FAILED", reply
+                _assert_no_session(raw)
+            finally:
+                raw.close()
+        assert "Traceback" not in d.log()
+    finally:
+        stop_tolerating_traceback(d)
