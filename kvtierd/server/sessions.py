@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Hashable
 
+from kvtierd.peer import Peer
 from kvtierd.staging import ShmStaging
 from kvtierd.tiers.chunk import ChunkEntry
 from kvtierd.tiers.cpu import CpuTier
@@ -30,6 +31,8 @@ class Session:
     fingerprint: str
     staging: ShmStaging | None  # None: inline payload frames
     client: dict
+    # Kernel-reported credentials from the staging handshake; None without one (inline over TCP).
+    peer: Peer | None = None
     id: int = field(default_factory=lambda: next(_ids))
     last_seen: float = field(default_factory=time.monotonic)
     # ikey -> (leased entry, expiry on the monotonic clock)
