@@ -7,7 +7,10 @@ tensors, see ``cuda_staging``), then one PUT. Load: one GET into staging, then s
 chunks that hit. A chunk is True only if its bytes are stored (store) or now in its blocks (load).
 
 When the daemon is down or slow, calls answer False for every chunk (with a warning) instead of
-raising: an engine keeps serving without its cache. After a timeout the session is abandoned (the
+raising: an engine keeps serving without its cache. That includes ``connect``: with no daemon it
+returns a client at once (a missing or dead ipc socket is seen without waiting for a timeout) whose
+session opens on the first call after the daemon starts. A daemon that answers and refuses (a bad
+token, an unsupported layout) raises from ``connect``. After a timeout the session is abandoned (the
 daemon may still act on the old request) and a new one, with a new staging buffer, starts on the
 next call; a restarted daemon is re-greeted the same way.
 """
@@ -23,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvtierd.paths import client_socket, unreachable_reason
 from kvtierd.protocol import STORED, Op, Status, Tier
 
 from .copies import CopyUnit, build_page_tables, gather, scatter
@@ -70,16 +74,17 @@ class KVTierClient:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-client")
         self._last_call = time.monotonic()
         self._closed = threading.Event()
-        self._executor.submit(self._ensure_session).result()
+        self._executor.submit(self._first_session).result()
         self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,),
                                            name="kvtier-heartbeat", daemon=True)
         self._heartbeat.start()
 
     @classmethod
-    def connect(cls, address: str, *, layout: KVLayout, kv_caches: dict[str, torch.Tensor],
-                **options: Any) -> KVTierClient:
-        """Connect to the daemon at ``address`` and open a session (HELLO)."""
-        return cls(address, layout, kv_caches, **options)
+    def connect(cls, address: str | None = None, *, layout: KVLayout,
+                kv_caches: dict[str, torch.Tensor], **options: Any) -> KVTierClient:
+        """Connect to the daemon at ``address`` (default: ``kvtierd.paths.client_socket()``, the
+        socket a default ``kvtierd serve`` binds) and open a session (HELLO) if it is up."""
+        return cls(address or client_socket(), layout, kv_caches, **options)
 
     # -- public API ------------------------------------------------------------------------------
     def store(self, chunks: Sequence[Chunk]) -> Future[list[bool]]:
@@ -147,9 +152,19 @@ class KVTierClient:
             self._abandon_session()
             return [False] * len(chunks)
 
+    def _first_session(self) -> None:
+        try:
+            self._ensure_session()
+        except DaemonUnavailable as exc:
+            log.warning("kvtierd is not reachable (%s): calls answer misses until it is; the "
+                        "session opens on the first call after it starts", exc)
+
     def _ensure_session(self) -> None:
         if self._staging is not None:
             return
+        reason = unreachable_reason(self._transport.address)
+        if reason is not None:  # no daemon for sure: say so now, not after timeout_s
+            raise DaemonUnavailable(f"kvtierd at {self._transport.address}: {reason}")
         staging = (self._cuda.new_staging(self.staging_bytes) if self._cuda
                    else ShmStagingBuffer(self.staging_bytes))
         try:

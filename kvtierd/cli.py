@@ -1,4 +1,11 @@
-"""``kvtierd serve | stats | ping | check-config | demo``."""
+"""kvtierd: a node-local tiered KV-cache store (pinned CPU + NVMe) for LLM inference engines.
+
+Commands: serve (run the daemon), ping and stats (ask a running one), check-config (print the
+resolved configuration with each value's source), demo (a simulated engine worker).
+
+Settings: flag > KVTIERD_<KEY> environment variable > TOML file (--config) > default.
+Without --socket, ping and stats try the default socket locations (see kvtierd.paths).
+"""
 
 from __future__ import annotations
 
@@ -10,12 +17,15 @@ import sys
 from typing import Any
 
 from kvtierd import __version__
-from kvtierd.config import ENV_PREFIX, Config, ConfigError, load_config
+from kvtierd.config import ENV_PREFIX, Config, ConfigError, LoadedConfig, resolve_config
 from kvtierd.sizes import format_size
+
+log = logging.getLogger("kvtierd")
 
 # Flags that override config keys (flag > env > file > default); None means "not given".
 _CONFIG_FLAGS = (
     ("--socket", "socket", "ZeroMQ endpoint: ipc://PATH, tcp://127.0.0.1:PORT or a path"),
+    ("--instance", "instance", "name of this daemon on the node (names its arena and NVMe dir)"),
     ("--cpu-bytes", "cpu_bytes", "capacity of the pinned-CPU tier, e.g. 4GiB"),
     ("--page-bytes", "page_bytes", "arena page size, a multiple of 4096, e.g. 64KiB"),
     ("--metrics-addr", "metrics_addr", "HOST:PORT of /metrics, or 'off'"),
@@ -29,8 +39,34 @@ _CONFIG_FLAGS = (
     ("--nvme-bytes", "nvme_bytes", "capacity of the NVMe tier, e.g. 100GiB; 0 turns it off"),
     ("--nvme-write-policy", "nvme_write_policy", "write-back (default) or write-through"),
     ("--io-threads", "io_threads", "threads doing NVMe I/O"),
-    ("--cpu-persistent", "cpu_persistent", "true: keep the arena across restarts (warm restart)"),
 )
+# Boolean keys are flags with a --no- form (argparse.BooleanOptionalAction).
+_BOOL_FLAGS = (
+    ("--cpu-persistent", "cpu_persistent", "keep the arena and its index across restarts"),
+    ("--prefault", "prefault", "touch every arena page at start"),
+    ("--mlock", "mlock", "lock the arena into RAM"),
+    ("--cuda-pin-arena", "cuda_pin_arena", "register the arena with CUDA (when present)"),
+)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Plain text as written, plus "(default: X)" for options that have a real default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, argparse.SUPPRESS, False):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _config_default(key: str) -> str:
+    if key == "socket":
+        return "see kvtierd.paths: $XDG_RUNTIME_DIR/kvtierd, /run/kvtierd or /tmp/kvtierd-<uid>"
+    if key in ("arena_name", "instance", "nvme_dir"):
+        return {"arena_name": "kvtierd-<instance id>", "instance": "derived from the socket",
+                "nvme_dir": "<state dir>/<instance id>/nvme"}[key]
+    value = getattr(Config, key, None)
+    return format_size(value) if key.endswith("_bytes") and isinstance(value, int) else str(value)
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,16 +74,32 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         "--config", default=os.environ.get(ENV_PREFIX + "CONFIG"),
         help=f"TOML config file (env {ENV_PREFIX}CONFIG)",
     )
+    _add_key_flags(parser)
+
+
+def _add_key_flags(parser: argparse.ArgumentParser) -> None:
     for flag, key, text in _CONFIG_FLAGS:
-        parser.add_argument(flag, dest=key, default=None, help=text)
+        parser.add_argument(flag, dest=key, default=None,
+                            help=f"{text} [config {key}; default: {_config_default(key)}]")
+    for flag, key, text in _BOOL_FLAGS:
+        parser.add_argument(flag, dest=key, default=None, action=argparse.BooleanOptionalAction,
+                            help=f"{text} [config {key}; default: {_config_default(key)}]")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {key: getattr(args, key, None) for _, key, _ in _CONFIG_FLAGS}
+    return {key: getattr(args, key, None) for _, key, _ in (*_CONFIG_FLAGS, *_BOOL_FLAGS)}
+
+
+def _resolve(args: argparse.Namespace, path: str | None = None) -> LoadedConfig:
+    return resolve_config(path if path is not None else args.config, overrides=_overrides(args))
 
 
 def _load(args: argparse.Namespace) -> Config:
-    return load_config(args.config, overrides=_overrides(args))
+    """The config for a command; unknown KVTIERD_* variables are reported on stderr, never fatal."""
+    loaded = _resolve(args)
+    for warning in loaded.warnings:
+        print(f"kvtierd: warning: {warning}", file=sys.stderr)
+    return loaded.config
 
 
 def _setup_logging(level: str) -> None:
@@ -58,32 +110,66 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvtierd.server.daemon import AlreadyServing, Daemon
+    from kvtierd.server.daemon import Daemon, StartupError
+    from kvtierd.tiers.arena import ArenaError
+    from kvtierd.tiers.capacity import CapacityError
 
-    cfg = _load(args)
-    _setup_logging(cfg.log_level)
+    loaded = _resolve(args)
+    _setup_logging(loaded.config.log_level)
+    for warning in loaded.warnings:
+        log.warning("%s", warning)
+    log.info("configuration (value and source):\n  %s", "\n  ".join(loaded.lines()))
     try:
-        Daemon(cfg).serve()
-    except AlreadyServing as exc:
-        logging.getLogger("kvtierd").error("%s", exc)
+        Daemon(loaded.config).serve()
+    except (StartupError, CapacityError, ArenaError) as exc:
+        log.error("%s", exc)
         return 1
     return 0
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    cfg = load_config(args.file, overrides=_overrides(args))
-    for key, value in cfg.public_dict().items():
-        print(f"{key:<18} {value}")
-    print(f"config OK: {args.file}")
+    loaded = _resolve(args, args.file)
+    for warning in loaded.warnings:
+        print(f"warning: {warning}")
+    for line in loaded.lines():
+        print(line)
+    print(f"config OK: {args.file or '(no file: environment and defaults)'}")
     return 0
+
+
+def _daemon_socket(args: argparse.Namespace) -> str:
+    """The socket to ask: the configured one, else the first default candidate with a live
+    socket file. Fails at once, saying where it looked, when there is none (no reply timeout)."""
+    from kvtierd.paths import socket_candidates, unreachable_reason
+
+    loaded = _resolve(args)
+    for warning in loaded.warnings:
+        print(f"kvtierd: warning: {warning}", file=sys.stderr)
+    if loaded.sources["socket"] != "default":
+        reason = unreachable_reason(loaded.config.socket)
+        if reason is not None:
+            raise DaemonNotFound(f"no kvtierd at {loaded.config.socket}: {reason}")
+        return loaded.config.socket
+    looked = []
+    for endpoint in socket_candidates():
+        reason = unreachable_reason(endpoint)
+        if reason is None:
+            return endpoint
+        looked.append(reason)
+    raise DaemonNotFound("no kvtierd found (give --socket or KVTIERD_SOCKET); looked for: "
+                         + "; ".join(looked))
+
+
+class DaemonNotFound(RuntimeError):
+    pass
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from kvtierd.control import call
     from kvtierd.protocol import Op
 
-    cfg = _load(args)
-    stats = call(cfg.socket, Op.STATS, timeout_s=args.timeout)["stats"]
+    socket = _daemon_socket(args)
+    stats = call(socket, Op.STATS, timeout_s=args.timeout)["stats"]
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
     else:
@@ -95,15 +181,19 @@ def cmd_ping(args: argparse.Namespace) -> int:
     from kvtierd.control import call
     from kvtierd.protocol import Op
 
-    cfg = _load(args)
-    call(cfg.socket, Op.PING, timeout_s=args.timeout)
-    print(f"kvtierd at {cfg.socket} is alive")
+    socket = _daemon_socket(args)
+    call(socket, Op.PING, timeout_s=args.timeout)
+    print(f"kvtierd at {socket} is alive")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvtierd.demo import run_demo
-
+    try:
+        from kvtierd.demo import run_demo
+    except ModuleNotFoundError as exc:  # a daemon-only install has no torch
+        print(f"kvtierd demo needs the client libraries ({exc}); install them with "
+              "pip install -e '.[client]'", file=sys.stderr)
+        return 1
     return run_demo(args)
 
 
@@ -164,34 +254,37 @@ def format_ghosts(ghosts: dict[str, Any]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtierd", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvtierd", description=__doc__,
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    def add(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
+
+    serve = add("serve", "run the daemon in the foreground")
     _add_config_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
-    stats = sub.add_parser("stats", help="print a running daemon's tiers, chunks and hit rates")
+    stats = add("stats", "print a running daemon's tiers, chunks and hit rates")
     _add_config_flags(stats)
     stats.add_argument("--json", action="store_true", help="print the raw stats as JSON")
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
     stats.set_defaults(func=cmd_stats)
 
-    ping = sub.add_parser("ping", help="exit 0 if the daemon answers (health checks)")
+    ping = add("ping", "exit 0 if the daemon answers (health checks)")
     _add_config_flags(ping)
     ping.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer")
     ping.set_defaults(func=cmd_ping)
 
-    check = sub.add_parser("check-config", help="validate a TOML config file and print it")
-    check.add_argument("file", help="TOML file")
-    for flag, key, text in _CONFIG_FLAGS:
-        check.add_argument(flag, dest=key, default=None, help=text)
+    check = add("check-config", "validate the configuration and print each value with its "
+                "source (flag, env, file or default)")
+    check.add_argument("file", nargs="?", default=os.environ.get(ENV_PREFIX + "CONFIG"),
+                       help=f"TOML file (default: ${ENV_PREFIX}CONFIG, else none)")
+    _add_key_flags(check)
     check.set_defaults(func=cmd_check_config)
 
-    demo = sub.add_parser(
-        "demo", help="start a daemon, run a simulated engine worker against it, print a table"
-    )
+    demo = add("demo", "start a daemon, run a simulated engine worker against it, print a table")
     _add_config_flags(demo)
     demo.add_argument("--tokens", type=int, default=4096, help="prompt length per request")
     demo.add_argument("--requests", type=int, default=4, help="prompts stored and reloaded")
@@ -210,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvtierd: {exc}", file=sys.stderr)
         return 2
+    except DaemonNotFound as exc:
+        print(f"kvtierd {args.command}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # CLI boundary: one clear line (--log-level DEBUG: the traceback)

@@ -9,17 +9,28 @@ private runtime directory.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import hashlib
 import ipaddress
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvtierd.paths import default_socket
 from kvtierd.sizes import parse_size
 
 ENV_PREFIX = "KVTIERD_"
+# Kubernetes injects these for a Service named "kvtierd" into every pod of its namespace
+# (service links: KVTIERD_SERVICE_HOST, KVTIERD_PORT_9464_TCP_ADDR, ...). They are not ours.
+_SERVICE_LINK = re.compile(
+    r"(SERVICE_HOST|SERVICE_PORT(_.+)?|PORT|PORT_\d+_(TCP|UDP|SCTP)(_.+)?)"
+)
+_INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+SOURCES = ("flag", "env", "file", "default")
 
 
 class ConfigError(ValueError):
@@ -30,14 +41,6 @@ class ConfigError(ValueError):
         self.key = key
 
 
-def default_runtime_dir() -> Path:
-    """A private directory for the socket: $XDG_RUNTIME_DIR/kvtierd, else /tmp/kvtierd-<uid>."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    if base:
-        return Path(base) / "kvtierd"
-    return Path(f"/tmp/kvtierd-{os.getuid()}")
-
-
 def default_state_dir() -> Path:
     """Where persistent tiers live by default: $XDG_STATE_HOME/kvtierd or ~/.local/state/kvtierd."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
@@ -45,21 +48,22 @@ def default_state_dir() -> Path:
     return Path(base) / "kvtierd"
 
 
-def default_socket() -> str:
-    return f"ipc://{default_runtime_dir() / 'kvtierd.sock'}"
-
-
 @dataclass(frozen=True)
 class Config:
-    # ZeroMQ endpoint of the ROUTER socket: ipc://PATH (default) or tcp://HOST:PORT (loopback only
-    # unless allow_remote). A bare path means ipc://PATH.
+    # ZeroMQ endpoint of the ROUTER socket: ipc://PATH (default: see kvtierd.paths, the same rule
+    # the CLI and clients use) or tcp://HOST:PORT (loopback only unless allow_remote). A bare path
+    # means ipc://PATH.
     socket: str = field(default_factory=default_socket)
+    # Name of this daemon among several on one node; names its arena and default NVMe directory.
+    # Empty: derived from the socket (a hash), so two daemons on different sockets never share.
+    instance: str = ""
     # Capacity of the pinned-CPU tier (the shared-memory arena).
     cpu_bytes: int = 512 * 1024**2
     # Allocation unit of the arena; a chunk spans ceil(nbytes / page_bytes) pages, not necessarily
     # contiguous. Multiple of 4096 so that the NVMe tier can do O_DIRECT I/O with the same pages.
     page_bytes: int = 64 * 1024
-    # Name of the arena file under /dev/shm; empty = "kvtierd-<pid>" (private, removed at exit).
+    # Name of the arena file under /dev/shm; empty = "kvtierd-<instance id>". Never a pid: in a
+    # container the daemon is always PID 1, and a restart must find (and reclaim) the old one.
     arena_name: str = ""
     # Touch every arena page at start: the first touch of fresh shm pages runs at ~1 GB/s, which
     # would otherwise land on the first PUTs.
@@ -67,8 +71,9 @@ class Config:
     # Keep the arena and its index in /dev/shm across restarts (warm restart); off: private arena,
     # removed at exit.
     cpu_persistent: bool = False
-    # Directory of the NVMe tier (data file, index, lock); one daemon per directory.
-    nvme_dir: str = field(default_factory=lambda: str(default_state_dir() / "nvme"))
+    # Directory of the NVMe tier (data file, index, lock); one daemon per directory. Empty:
+    # <state dir>/<instance id>/nvme, so that daemons on different sockets never share one.
+    nvme_dir: str = ""
     # Capacity of the NVMe tier; 0 disables the tier.
     nvme_bytes: int = 4 * 1024**3
     # "write-back": chunks reach NVMe when the CPU tier evicts them; "write-through": every commit
@@ -122,15 +127,19 @@ class Config:
     def ipc_path(self) -> Path | None:
         return Path(self.socket[len("ipc://") :]) if self.socket.startswith("ipc://") else None
 
-    def resolved_arena_name(self) -> str:
-        if self.arena_name:
-            return self.arena_name
-        # A persistent arena needs a name that survives the process: derive it from the socket.
-        if self.cpu_persistent:
-            import hashlib
+    @property
+    def instance_id(self) -> str:
+        """``instance``, else a stable hash of the socket: the same across restarts (and PID 1
+        in every container), different for every daemon of a node (sockets are unique)."""
+        return self.instance or hashlib.sha256(self.socket.encode()).hexdigest()[:16]
 
-            return "kvtierd-" + hashlib.sha256(self.socket.encode()).hexdigest()[:16]
-        return f"kvtierd-{os.getpid()}"
+    def resolved_arena_name(self) -> str:
+        return self.arena_name or f"kvtierd-{self.instance_id}"
+
+    def resolved_nvme_dir(self) -> Path:
+        if self.nvme_dir:
+            return Path(self.nvme_dir)
+        return default_state_dir() / self.instance_id / "nvme"
 
     def public_dict(self) -> dict[str, Any]:
         """The config as plain values, with the auth token masked (for logs and check-config)."""
@@ -212,8 +221,6 @@ def _validate(cfg: Config) -> None:
     if cfg.nvme_bytes and cfg.nvme_bytes < cfg.page_bytes:
         raise ConfigError("nvme_bytes", cfg.nvme_bytes, f"0 (off) or at least page_bytes "
                           f"({cfg.page_bytes})")
-    if cfg.nvme_bytes and not cfg.nvme_dir:
-        raise ConfigError("nvme_dir", cfg.nvme_dir, "a directory (or nvme_bytes = 0)")
     for key in ("io_threads", "max_batch", "copy_threads", "max_header_bytes", "max_inline_bytes",
                 "max_staging_bytes"):
         if getattr(cfg, key) <= 0:
@@ -224,6 +231,9 @@ def _validate(cfg: Config) -> None:
         )
     if "/" in cfg.arena_name or cfg.arena_name.startswith("."):
         raise ConfigError("arena_name", cfg.arena_name, "a file name without '/' (under /dev/shm)")
+    if cfg.instance and not _INSTANCE.fullmatch(cfg.instance):
+        raise ConfigError("instance", cfg.instance, "1-64 letters, digits, '_', '.', '-' "
+                          "(starting with a letter or digit), or empty")
     _validate_socket(cfg)
     _validate_metrics_addr(cfg.metrics_addr)
     import logging
@@ -290,34 +300,83 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A validated Config with where each value came from, and what was ignored on the way."""
+
+    config: Config
+    # key -> "flag", "env", "file" or "default"
+    sources: Mapping[str, str]
+    # unknown KVTIERD_* variables (typos): reported, never fatal
+    warnings: tuple[str, ...] = ()
+
+    def lines(self) -> list[str]:
+        """``key = value (source)`` for every key, token masked, derived defaults shown."""
+        values = self.config.public_dict()
+        if not values["arena_name"]:
+            values["arena_name"] = f"{self.config.resolved_arena_name()} (derived)"
+        if not values["nvme_dir"]:
+            values["nvme_dir"] = f"{self.config.resolved_nvme_dir()} (derived)"
+        width = max(map(len, values))
+        return [f"{key:<{width}} = {value}  ({self.sources[key]})" for key, value in values.items()]
+
+
+def _env_values(env: Mapping[str, str], warnings: list[str]) -> dict[str, str]:
+    """Our keys from ``KVTIERD_<KEY>`` variables. Kubernetes service links are skipped; any other
+    unknown variable is a warning naming the closest key: an environment is shared with other
+    software, so a stray variable must never stop the daemon or its health checks."""
+    out: dict[str, str] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        suffix = name[len(ENV_PREFIX):]
+        key = suffix.lower()
+        if key in _FIELD_TYPES:
+            out[key] = value
+        elif not _SERVICE_LINK.fullmatch(suffix):
+            warnings.append(f"environment variable {name} is not a kvtierd setting and is ignored"
+                            + _closest(key, ENV_PREFIX))
+    return out
+
+
+def _closest(key: str, prefix: str = "") -> str:
+    match = difflib.get_close_matches(key, list(_FIELD_TYPES), n=1)
+    return f"; did you mean {prefix}{match[0].upper() if prefix else match[0]}?" if match else ""
+
+
+def resolve_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> LoadedConfig:
+    """Merge file, environment and flags (in rising precedence) into a validated Config, keeping
+    each value's source. An unknown key in a file or flag is an error; in the environment a
+    warning."""
+    env = os.environ if env is None else env
+    warnings: list[str] = []
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if path is not None:
+        layers.append(("file", read_toml(path)))
+    layers.append(("env", _env_values(env, warnings)))
+    layers.append(("flag", {k: v for k, v in (overrides or {}).items() if v is not None}))
+    merged: dict[str, Any] = {}
+    sources = {key: "default" for key in _FIELD_TYPES}
+    for origin, values in layers:
+        for key, value in values.items():
+            if key not in _FIELD_TYPES:
+                raise ConfigError(key, value, "one of " + ", ".join(sorted(_FIELD_TYPES))
+                                  + _closest(key))
+            merged[key] = _coerce(key, value)
+            sources[key] = origin
+    cfg = Config(**_normalise(merged))
+    _validate(cfg)
+    return LoadedConfig(cfg, sources, tuple(warnings))
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> Config:
-    """Merge file, environment and flags (in rising precedence) into a validated Config."""
-    env = os.environ if env is None else env
-    merged: dict[str, Any] = {}
-    sources: list[tuple[str, Mapping[str, Any]]] = []
-    if path is not None:
-        sources.append(("file", read_toml(path)))
-    sources.append(
-        (
-            "env",
-            {
-                k[len(ENV_PREFIX) :].lower(): v
-                for k, v in env.items()
-                if k.startswith(ENV_PREFIX) and k != ENV_PREFIX + "CONFIG"
-            },
-        )
-    )
-    sources.append(("flag", {k: v for k, v in (overrides or {}).items() if v is not None}))
-    for origin, values in sources:
-        for key, value in values.items():
-            if key not in _FIELD_TYPES:
-                name = ENV_PREFIX + key.upper() if origin == "env" else key
-                raise ConfigError(name, value, "one of " + ", ".join(sorted(_FIELD_TYPES)))
-            merged[key] = _coerce(key, value)
-    cfg = Config(**_normalise(merged))
-    _validate(cfg)
-    return cfg
+    """The validated Config alone (see resolve_config)."""
+    return resolve_config(path, env, overrides).config

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtierd.cli import _load, format_stats
+from kvtierd.cli import _BOOL_FLAGS, _CONFIG_FLAGS, _load, format_stats
 from kvtierd.control import DaemonUnavailable, call
 from kvtierd.protocol import Op
 from kvtierd.sizes import format_size
@@ -139,12 +139,14 @@ def _start_daemon(args: argparse.Namespace) -> subprocess.Popen:
     argv = [sys.executable, "-m", "kvtierd", "serve"]
     if args.config:
         argv += ["--config", args.config]
-    for key, value in vars(args).items():
-        if key in ("socket", "cpu_bytes", "page_bytes", "metrics_addr", "arena_name",
-                   "eviction_policy", "session_timeout_s", "lease_timeout_s", "copy_threads",
-                   "log_level", "nvme_dir", "nvme_bytes", "nvme_write_policy", "io_threads",
-                   "cpu_persistent") and value is not None:
-            argv += [f"--{key.replace('_', '-')}", str(value)]
+    for flag, key, _ in _CONFIG_FLAGS:
+        value = getattr(args, key, None)
+        if value is not None:
+            argv += [flag, str(value)]
+    for flag, key, _ in _BOOL_FLAGS:
+        value = getattr(args, key, None)
+        if value is not None:
+            argv.append(flag if value else "--no-" + flag[2:])
     return subprocess.Popen(argv)
 
 

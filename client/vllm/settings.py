@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvtierd.paths import client_socket
+
 PREFIX = "kvtierd_"
-DEFAULT_ADDRESS = "ipc:///run/kvtierd/kvtierd.sock"
 
 
 @dataclass(frozen=True)
 class KVTierSettings:
-    address: str = DEFAULT_ADDRESS  # kvtierd_address: the daemon's socket (ipc:// or tcp://)
+    # kvtierd_address: the daemon's socket (ipc:// or tcp://); default: the first of the default
+    # sockets (kvtierd.paths) that exists, the one a `kvtierd serve` without settings binds
+    address: str = field(default_factory=client_socket)
     timeout_s: float = 2.0  # kvtierd_timeout_s: longest wait for one daemon reply
     retry_s: float = 5.0  # kvtierd_retry_s: after a failure, answer misses this long, then retry
     token: str = ""  # kvtierd_token: auth token, if the daemon requires one

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import signal
-import socket as pysocket
 import threading
 import time
 from pathlib import Path
@@ -46,7 +44,15 @@ from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
 from kvtierd.server.movement import TierMover
 from kvtierd.server.sessions import SessionTable
-from kvtierd.tiers.arena import SHM_DIR, Arena
+from kvtierd.server.startup import (  # noqa: F401 (AlreadyServing: the CLI's import)
+    AlreadyServing,
+    StartupError,
+    bind_router,
+    prepare_arena_room,
+    serve_metrics,
+)
+from kvtierd.tiers.arena import SHM_DIR, Arena, ArenaError
+from kvtierd.tiers.capacity import CapacityError
 from kvtierd.tiers.index_db import ChunkIndexDB
 from kvtierd.tiers.cpu import CpuTier
 from kvtierd.tiers.nvme import NvmeTier
@@ -62,25 +68,31 @@ NEEDS_SESSION = {Op.LOOKUP, Op.PUT, Op.GET, Op.DELETE, Op.BYE}
 LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
 
 
-class AlreadyServing(RuntimeError):
-    pass
-
-
 class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.notifier = Notifier.from_env()  # systemd Type=notify; a no-op without NOTIFY_SOCKET
-        self.notifier.status(f"mapping the CPU tier ({cfg.cpu_bytes} bytes)")
         self.metrics = DaemonMetrics()
         self.metrics.info.labels(__version__, str(PROTOCOL_VERSION)).set(1)
-        started = time.perf_counter()
-        if cfg.ipc_path is not None:
-            cfg.ipc_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _claim_ipc_path(cfg.ipc_path)  # before touching a persistent arena another one uses
-        self.arena = Arena(
-            cfg.resolved_arena_name(), cfg.cpu_bytes, prefault=cfg.prefault, lock=cfg.mlock,
-            persistent=cfg.cpu_persistent,
-        )
+        self.ctx: zmq.Context | None = None
+        self.socket: zmq.Socket | None = None
+        try:
+            # Binds first: a taken port or an unbindable path ends the start before the arena.
+            self.ctx, self.socket, self.monitor = bind_router(cfg)
+            self.metrics_address = serve_metrics(self.metrics, cfg.metrics_addr)
+            prepare_arena_room(cfg)
+            self.notifier.status(f"mapping the CPU tier ({cfg.cpu_bytes} bytes)")
+            started = time.perf_counter()
+            self.arena = Arena(
+                cfg.resolved_arena_name(), cfg.cpu_bytes, prefault=cfg.prefault, lock=cfg.mlock,
+                persistent=cfg.cpu_persistent,
+            )
+        except BaseException as exc:
+            if isinstance(exc, (StartupError, CapacityError, ArenaError)):
+                self.notifier.status(f"failed to start: {exc}")
+            self._close_sockets()
+            self.metrics.close()
+            raise
         log.info(
             "arena /dev/shm/%s: %d bytes mapped in %.2f s (prefault=%s, mlocked=%s)",
             self.arena.name, cfg.cpu_bytes, time.perf_counter() - started, cfg.prefault,
@@ -89,6 +101,8 @@ class Daemon:
         try:
             self._build(cfg)
         except BaseException:
+            self._close_sockets()
+            self.metrics.close()
             self.arena.close(unlink=not cfg.cpu_persistent)
             raise
 
@@ -132,10 +146,9 @@ class Daemon:
             Op.BYE: self.handlers.bye,
             Op.CHECK: self.handlers.check,
         }
+        self.handlers.metrics_address = self.metrics_address
         self._stop = threading.Event()
         self._probes: list[float] = []
-        self.ctx: zmq.Context | None = None
-        self.socket: zmq.Socket | None = None
 
     def _attach_arena_index(self, cfg: Config) -> None:
         if not cfg.cpu_persistent:
@@ -157,7 +170,7 @@ class Daemon:
         fault_file = Path(cfg.nvme_fault_file) if cfg.nvme_fault_file else None
         if fault_file is not None:
             log.warning("NVMe fault injection is ON (%s): a test setting", fault_file)
-        return NvmeTier(Path(cfg.nvme_dir), cfg.nvme_bytes, cfg.page_bytes,
+        return NvmeTier(cfg.resolved_nvme_dir(), cfg.nvme_bytes, cfg.page_bytes,
                         policy=cfg.eviction_policy, fault_file=fault_file)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -166,12 +179,9 @@ class Daemon:
 
     def serve(self, on_ready: Callable[[], None] | None = None) -> None:
         try:
-            self._bind()
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self.request_stop)
                 signal.signal(signal.SIGINT, self.request_stop)
-            addr = self.metrics.serve(self.cfg.metrics_addr)
-            self.handlers.metrics_address = f"http://{addr[0]}:{addr[1]}/metrics" if addr else ""
             log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes)",
                      __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
                      self.cfg.page_bytes)
@@ -199,18 +209,6 @@ class Daemon:
         detail = f"arena pinning {self.pinner.state}" + (
             f" ({self.pinner.reason})" if self.pinner.reason else "")
         self.notifier.ready(f"serving on {self.cfg.socket}; {detail}")
-
-    def _bind(self) -> None:
-        self.ctx = zmq.Context()
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 10000)
-        sock.setsockopt(zmq.RCVHWM, 10000)
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.bind(self.cfg.socket)
-        self.socket = sock
 
     def _loop(self) -> None:
         assert self.socket is not None
@@ -315,20 +313,27 @@ class Daemon:
         self.io_engine.close()
         if self.nvme is not None:
             self.nvme.close()
-        if self.socket is not None:
-            self.socket.disable_monitor()
-            self.monitor.close(linger=0)
-            self.socket.close(linger=0)
-            if self.cfg.ipc_path is not None:
-                self.cfg.ipc_path.unlink(missing_ok=True)
-        if self.ctx is not None:
-            self.ctx.term()
+        self._close_sockets()
         self.metrics.close()
         if self.tier.db is not None:
             self.tier.db.close()
         self.pinner.close()  # unregistered before the arena is unmapped
         self.arena.close(unlink=not self.cfg.cpu_persistent)
         log.info("kvtierd stopped")
+
+    def _close_sockets(self) -> None:
+        """Close every socket before the context ends: ``term()`` with one left open blocks
+        forever."""
+        if self.socket is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
+            self.socket.close(linger=0)
+            self.socket = None
+            if self.cfg.ipc_path is not None:
+                self.cfg.ipc_path.unlink(missing_ok=True)
+        if self.ctx is not None:
+            self.ctx.destroy(linger=0)
+            self.ctx = None
 
     # -- requests --------------------------------------------------------------------------------
     def _handle(self, frames: list[zmq.Frame]) -> None:
@@ -421,20 +426,3 @@ class Daemon:
                 log.warning("reply dropped: the peer's queue is full (it does not read replies)")
             else:
                 raise
-
-
-def _claim_ipc_path(path: Path) -> None:
-    """Remove a stale socket file left by a dead daemon; refuse to steal a live one."""
-    if not path.exists():
-        return
-    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except ConnectionRefusedError:
-        path.unlink(missing_ok=True)
-        return
-    except OSError as exc:
-        raise AlreadyServing(f"{path} exists and is not a usable socket: {exc}") from None
-    finally:
-        probe.close()
-    raise AlreadyServing(f"another kvtierd is already serving at ipc://{path}")

@@ -1,10 +1,11 @@
 """load_config: precedence flag > env > file > default, units, and refusals naming key and value."""
 
 import os
+from pathlib import Path
 
 import pytest
 
-from kvtierd.config import Config, ConfigError, load_config
+from kvtierd.config import Config, ConfigError, load_config, resolve_config
 
 
 def write_toml(tmp_path, text: str):
@@ -115,11 +116,58 @@ def test_bad_bool_in_file_and_env(tmp_path):
     refused("allow_remote", "2", env={"KVTIERD_ALLOW_REMOTE": "2"})
 
 
-def test_unknown_key_in_file_and_env(tmp_path):
+def test_unknown_key_in_a_file_is_an_error_naming_the_closest_key(tmp_path):
     err = refused("bogus", 1, path=write_toml(tmp_path, "bogus = 1\n"))
     assert "cpu_bytes" in str(err)  # lists what is allowed
-    err = refused("KVTIERD_BOGUS", "x", env={"KVTIERD_BOGUS": "x"})
-    assert err.key == "KVTIERD_BOGUS"
+    err = refused("cpu_byte", 1, path=write_toml(tmp_path, "cpu_byte = 1\n"))
+    assert "did you mean cpu_bytes?" in str(err)
+
+
+def test_unknown_env_variable_warns_with_the_closest_key_and_is_ignored():
+    loaded = resolve_config(None, env={"KVTIERD_CPU_BYTE": "1GiB", "KVTIERD_BOGUS": "x"})
+    assert loaded.config == Config()
+    assert len(loaded.warnings) == 2
+    typo = next(w for w in loaded.warnings if "KVTIERD_CPU_BYTE " in w)
+    assert "did you mean KVTIERD_CPU_BYTES?" in typo
+
+
+@pytest.mark.parametrize("name", [
+    "KVTIERD_SERVICE_HOST", "KVTIERD_SERVICE_PORT", "KVTIERD_SERVICE_PORT_METRICS", "KVTIERD_PORT",
+    "KVTIERD_PORT_9464_TCP", "KVTIERD_PORT_9464_TCP_PROTO", "KVTIERD_PORT_9464_TCP_PORT",
+    "KVTIERD_PORT_9464_TCP_ADDR", "KVTIERD_PORT_53_UDP", "KVTIERD_PORT_7_SCTP_ADDR",
+])
+def test_kubernetes_service_link_variables_are_ignored_silently(name):
+    loaded = resolve_config(None, env={name: "tcp://10.0.0.7:9464"})
+    assert loaded.config == Config() and loaded.warnings == ()
+
+
+def test_each_value_has_its_source(tmp_path):
+    path = write_toml(tmp_path, 'cpu_bytes = "8MiB"\npage_bytes = "8KiB"\nmax_batch = 7\n')
+    loaded = resolve_config(path, env={"KVTIERD_PAGE_BYTES": "16KiB", "KVTIERD_MAX_BATCH": "9"},
+                            overrides={"max_batch": "11"})
+    assert loaded.sources["cpu_bytes"] == "file"
+    assert loaded.sources["page_bytes"] == "env"
+    assert loaded.sources["max_batch"] == "flag" and loaded.config.max_batch == 11
+    assert loaded.sources["lease_timeout_s"] == "default"
+    lines = {line.split()[0]: line for line in loaded.lines()}
+    assert lines["page_bytes"].endswith("(env)") and "16384" in lines["page_bytes"]
+    assert "(derived)" in lines["arena_name"] and "(derived)" in lines["nvme_dir"]
+
+
+def test_arena_and_nvme_dir_are_named_per_instance_never_per_pid():
+    one = load_config(None, env={}, overrides={"socket": "ipc:///tmp/a/kvtierd.sock"})
+    again = load_config(None, env={}, overrides={"socket": "ipc:///tmp/a/kvtierd.sock"})
+    other = load_config(None, env={}, overrides={"socket": "ipc:///tmp/b/kvtierd.sock"})
+    assert one.resolved_arena_name() == again.resolved_arena_name()  # a restart finds it
+    assert one.resolved_arena_name() != other.resolved_arena_name()
+    assert str(os.getpid()) not in one.resolved_arena_name()
+    assert one.resolved_nvme_dir() != other.resolved_nvme_dir()
+    named = load_config(None, env={"KVTIERD_INSTANCE": "gpu0"})
+    assert named.resolved_arena_name() == "kvtierd-gpu0"
+    assert named.resolved_nvme_dir().parent.name == "gpu0"
+    assert load_config(None, env={}, overrides={"nvme_dir": "/x/y"}).resolved_nvme_dir() == \
+        Path("/x/y")
+    refused("instance", "a/b", overrides={"instance": "a/b"})
 
 
 def test_missing_and_invalid_config_file(tmp_path):
@@ -135,7 +183,6 @@ def test_config_env_variable_itself_is_not_a_key():
 def test_public_dict_masks_token():
     cfg = load_config(None, env={"KVTIERD_AUTH_TOKEN": "s3cret"})
     assert cfg.auth_token == "s3cret" and cfg.public_dict()["auth_token"] == "***"
-    assert cfg.resolved_arena_name() == f"kvtierd-{os.getpid()}"
 
 
 def test_fractional_int_value_is_refused():
