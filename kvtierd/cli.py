@@ -130,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     loaded = _resolve(args, args.file)
     for warning in loaded.warnings:
-        print(f"warning: {warning}")
+        print(f"kvtierd: warning: {warning}", file=sys.stderr)
     for line in loaded.lines():
         print(line)
     print(f"config OK: {args.file or '(no file: environment and defaults)'}")

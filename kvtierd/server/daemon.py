@@ -51,8 +51,7 @@ from kvtierd.server.startup import (  # noqa: F401 (AlreadyServing: the CLI's im
     prepare_arena_room,
     serve_metrics,
 )
-from kvtierd.tiers.arena import SHM_DIR, Arena, ArenaError
-from kvtierd.tiers.capacity import CapacityError
+from kvtierd.tiers.arena import SHM_DIR, Arena
 from kvtierd.tiers.index_db import ChunkIndexDB
 from kvtierd.tiers.cpu import CpuTier
 from kvtierd.tiers.nvme import NvmeTier
@@ -88,8 +87,7 @@ class Daemon:
                 persistent=cfg.cpu_persistent,
             )
         except BaseException as exc:
-            if isinstance(exc, (StartupError, CapacityError, ArenaError)):
-                self.notifier.status(f"failed to start: {exc}")
+            self._start_failed(exc)
             self._close_sockets()
             self.metrics.close()
             raise
@@ -100,11 +98,17 @@ class Daemon:
         )
         try:
             self._build(cfg)
-        except BaseException:
+        except BaseException as exc:
+            self._start_failed(exc)
             self._close_sockets()
             self.metrics.close()
             self.arena.close(unlink=not cfg.cpu_persistent)
             raise
+
+    def _start_failed(self, exc: BaseException) -> None:
+        """systemd shows the reason in ``systemctl status`` (STATUS=), as the log does."""
+        if isinstance(exc, Exception):
+            self.notifier.status(f"failed to start: {exc}")
 
     def _build(self, cfg: Config) -> None:
         self.tier = CpuTier(
@@ -171,7 +175,8 @@ class Daemon:
         if fault_file is not None:
             log.warning("NVMe fault injection is ON (%s): a test setting", fault_file)
         return NvmeTier(cfg.resolved_nvme_dir(), cfg.nvme_bytes, cfg.page_bytes,
-                        policy=cfg.eviction_policy, fault_file=fault_file)
+                        policy=cfg.eviction_policy, fault_file=fault_file,
+                        instance=cfg.instance_id)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:

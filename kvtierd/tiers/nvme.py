@@ -31,6 +31,7 @@ from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
 from kvtierd.tiers.nvme_file import (
     DataFile,
     FaultInjector,
+    claim_directory,
     lock_directory,
     probe_direct_io,
 )
@@ -57,11 +58,20 @@ class NvmeTier(TierIndex):
         policy: str = "lru",
         fault_file: Path | None = None,
         on_status: Callable[[str], None] | None = None,
+        instance: str = "",
     ) -> None:
+        """``instance``: the owning daemon's instance id; another instance's directory is refused
+        (claim_directory) instead of reset. Empty: no ownership check (tests, tools)."""
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.page_bytes = page_bytes
         self._lock_fd = lock_directory(directory)
+        if instance:
+            try:
+                claim_directory(directory, instance)
+            except BaseException:
+                os.close(self._lock_fd)
+                raise
         self.direct_io = probe_direct_io(directory, page_bytes)
         if not self.direct_io:
             log.warning("O_DIRECT is refused in %s; using buffered I/O with fdatasync", directory)

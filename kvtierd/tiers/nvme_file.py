@@ -30,6 +30,9 @@ class DirectoryInUse(RuntimeError):
     pass
 
 
+OWNER_NAME = "instance"
+
+
 def lock_directory(directory: Path) -> int:
     """Hold an exclusive lock on ``directory`` so two daemons never share one NVMe tier."""
     fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -39,6 +42,28 @@ def lock_directory(directory: Path) -> int:
         os.close(fd)
         raise DirectoryInUse(f"{directory} is in use by another kvtierd (flock on {LOCK_NAME})")
     return fd
+
+
+def claim_directory(directory: Path, instance: str) -> None:
+    """Record which daemon instance the tier in ``directory`` belongs to; refuse another's.
+
+    The lock only keeps out a *live* second daemon. A different daemon started on the same
+    directory later (another socket, another page size) would otherwise reset the index and drop
+    the first one's chunks; it is refused instead, naming both instances."""
+    path = directory / OWNER_NAME
+    try:
+        owner = path.read_text().strip()
+    except FileNotFoundError:
+        owner = ""
+    if owner and owner != instance:
+        raise DirectoryInUse(
+            f"nvme_dir {directory} holds the NVMe tier of kvtierd instance {owner!r}; this daemon "
+            f"is instance {instance!r}. Give it its own nvme_dir, or set instance = {owner!r} if "
+            "it is meant to take that tier over")
+    if owner != instance:
+        tmp = directory / f".{OWNER_NAME}.tmp"
+        tmp.write_text(instance + "\n")
+        os.replace(tmp, path)
 
 
 def probe_direct_io(directory: Path, page_bytes: int) -> bool:

@@ -78,15 +78,13 @@ class DaemonProcess:
         """The arena and (persistent arenas) its index files in /dev/shm."""
         return sorted(Path("/dev/shm").glob(f"{self.arena_name}*"))
 
-    def kill9(self, keep_arena: bool = False) -> None:
-        """SIGKILL the daemon; unless ``keep_arena`` (a warm restart follows), remove its arena."""
+    def kill9(self) -> None:
+        """SIGKILL the daemon. Its arena stays in /dev/shm, as after a real crash: the next daemon
+        to start reclaims it (or, persistent, re-attaches it); tests must not clean up for it."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
         self._log.close()
-        if not keep_arena:
-            for path in self.shm_files():
-                path.unlink(missing_ok=True)
 
     def restart(self) -> None:
         """Start a new daemon process with the same flags, socket, arena name and NVMe dir."""
@@ -97,7 +95,7 @@ class DaemonProcess:
         """SIGTERM; the daemon must still be alive, pass CHECK, exit 0 and remove its arena."""
         if self.proc is None or self.proc.poll() is not None:
             self._log.close()
-            for path in self.shm_files():  # a killed daemon's arena
+            for path in self.shm_files():  # the test is over: no daemon will start on it again
                 path.unlink(missing_ok=True)
             return
         try:

@@ -169,7 +169,7 @@ def verify_numbered(d, numbers: list[int], acked: set[int]) -> int:
 @pytest.mark.timeout(180)
 def test_kill9_during_put_burst_and_demotions_loses_no_acknowledged_chunk(daemon_factory,
                                                                           tmp_path):
-    d = daemon_factory("--cpu-persistent", "true", cpu_bytes="2MiB")  # ~7 chunks: demote a lot
+    d = daemon_factory("--cpu-persistent", cpu_bytes="2MiB")  # ~7 chunks: demote a lot
     rng = random.Random(20240917)
     record = tmp_path / "record.txt"
     per_round = 160
@@ -195,7 +195,7 @@ def test_kill9_during_put_burst_and_demotions_loses_no_acknowledged_chunk(daemon
                          len(read_record(record)[1]) >= min(goal, per_round) + rnd * per_round,
                          30, "the writer making progress")
                 time.sleep(rng.uniform(0.0, 0.03))
-            d.kill9(keep_arena=True)
+            d.kill9()
         finally:
             if writer.poll() is None:
                 writer.kill()
@@ -236,7 +236,7 @@ def arena_rows(d) -> dict:
 
 
 def test_warm_restart_reattaches_the_arena_and_verifies_on_first_read(daemon_factory):
-    d = daemon_factory("--cpu-persistent", "true", cpu_bytes="64MiB")
+    d = daemon_factory("--cpu-persistent", cpu_bytes="64MiB")
     layout = nvme_layout("warm")
     cs = ChunkSet(layout, 12, seed=11)
     with KVTierClient.connect(d.address, layout=layout, kv_caches=cs.kv) as client:
@@ -271,7 +271,7 @@ def test_warm_restart_reattaches_the_arena_and_verifies_on_first_read(daemon_fac
 # -- (c) a changed layout after a restart ----------------------------------------------------------
 
 def test_changed_layout_after_restart_is_a_miss_in_every_tier(daemon_factory):
-    d = daemon_factory("--cpu-persistent", "true", cpu_bytes=SMALL_CPU)
+    d = daemon_factory("--cpu-persistent", cpu_bytes=SMALL_CPU)
     before = nvme_layout("fp-change", dtype="bfloat16")
     after = nvme_layout("fp-change", dtype="float16")  # same keys and sizes, other bytes
     assert before.fingerprint != after.fingerprint
