@@ -72,8 +72,8 @@ def _prepare_ipc_path(endpoint: str, path: Path) -> None:
         raise StartupError("socket", endpoint, f"cannot create the directory {path.parent}: "
                            f"{exc.strerror}") from None
     if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise StartupError("socket", endpoint, f"no permission to create a socket in "
-                           f"{path.parent}")
+        raise StartupError("socket", endpoint, f"the directory {path.parent} is not writable "
+                           "by this user (or is read-only)")
     claim_ipc_path(path)
 
 

@@ -1,0 +1,74 @@
+"""Arena lifecycle: the flock says who is alive; stale arenas are reclaimed, never live or
+persistent ones; an arena that does not fit is refused with the numbers and the fix."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import secrets
+
+import pytest
+
+from kvtierd.tiers.arena import SHM_DIR, Arena, ArenaError, reclaim_stale_arenas
+from kvtierd.tiers.capacity import CapacityError, check_arena_fits
+
+MiB = 1024**2
+
+
+def write(path, nbytes=64 * 1024):
+    path.write_bytes(os.urandom(nbytes))
+    return path
+
+
+def test_reclaim_frees_only_unlocked_non_persistent_arenas(tmp_path, caplog):
+    dead = write(tmp_path / "kvtierd-dead")
+    live = write(tmp_path / "kvtierd-live")
+    persistent = write(tmp_path / "kvtierd-warm")
+    write(tmp_path / "kvtierd-warm.index", 4096)
+    other = write(tmp_path / "not-ours")
+    (tmp_path / "kvtierd-link").symlink_to(other)
+    mine = write(tmp_path / "kvtierd-mine")
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a live daemon holds its arena's lock
+    try:
+        with caplog.at_level(logging.INFO, logger="kvtierd.tiers.arena"):
+            freed = reclaim_stale_arenas(tmp_path, keep="kvtierd-mine")
+    finally:
+        os.close(fd)
+    assert [name for name, _ in freed] == ["kvtierd-dead"]
+    assert freed[0][1] >= 64 * 1024  # bytes freed, as logged
+    assert not dead.exists()
+    for kept in (live, persistent, tmp_path / "kvtierd-warm.index", other, mine,
+                 tmp_path / "kvtierd-link"):
+        assert os.path.lexists(kept), kept
+    assert "kvtierd-dead" in caplog.text and "bytes freed" in caplog.text
+    assert "kept the persistent arena" in caplog.text
+
+
+def test_an_arena_of_our_name_left_by_a_dead_daemon_is_reused_not_refused(caplog):
+    name = f"kvtierd-test-unit-{secrets.token_hex(6)}"
+    write(SHM_DIR / name, 128 * 1024)  # as a kill -9 leaves it (no lock)
+    with caplog.at_level(logging.WARNING, logger="kvtierd.tiers.arena"):
+        arena = Arena(name, MiB, prefault=False, lock=False)
+    try:
+        assert "reclaimed the stale arena" in caplog.text
+        assert bytes(arena.view[:4096]) == bytes(4096)  # starts empty, nothing of the old one
+        with pytest.raises(ArenaError, match="in use by another kvtierd"):
+            Arena(name, MiB, prefault=False, lock=False)  # a live one is never taken over
+    finally:
+        arena.close()
+    assert not (SHM_DIR / name).exists()
+
+
+def test_capacity_check_names_the_numbers_and_the_fix(tmp_path):
+    with pytest.raises(CapacityError) as info:
+        check_arena_fits(1 << 50, tmp_path)
+    text = str(info.value)
+    assert "cpu_bytes = 1024.0 TiB" in text and "free of" in text
+    assert "--shm-size=" in text and "medium: Memory" in text
+    with pytest.raises(CapacityError) as info:  # room in /dev/shm, not in memory
+        check_arena_fits(1 << 50, tmp_path, reusable_bytes=1 << 52)
+    assert "physical RAM" in str(info.value) or "cgroup memory limit" in str(info.value)
+    assert "resources.limits.memory" in str(info.value)
+    check_arena_fits(MiB, tmp_path)  # fits: no error
