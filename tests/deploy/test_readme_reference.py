@@ -10,7 +10,7 @@ import pytest
 from helpers.workload import REPO
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtierd.cli import _CONFIG_FLAGS
+from kvtierd.cli import _BOOL_FLAGS, _CONFIG_FLAGS
 from kvtierd.config import Config
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,12 +35,15 @@ def test_every_config_key_is_documented_with_its_env_variable_and_flag():
         for key in re.findall(r"`(\w+)`", row[0]):
             by_key[key] = row
     flags = {key: flag for flag, key, _ in _CONFIG_FLAGS}
+    negated = {key: "--no-" + flag[2:] for flag, key, _ in _BOOL_FLAGS}
     for f in fields(Config):
         assert f.name in by_key, f"config key {f.name} missing from README"
         row = by_key[f.name]
         assert f"KVTIERD_{f.name.upper()}" in row[2], (f.name, row)
         if f.name in flags:
             assert f"`{flags[f.name]}`" in row[3], (f.name, row)
+        if f.name in negated:  # boolean flags: both forms
+            assert f"`{negated[f.name]}`" in row[3], (f.name, row)
 
 
 def test_every_exported_metric_is_documented(daemon):
