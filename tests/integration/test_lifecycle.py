@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 from helpers.daemon import DaemonProcess
+from helpers.raw import RawClient
 from helpers.wait import wait_for
 
 from kvtierd.config import load_config
 from kvtierd.control import DaemonUnavailable, call
-from kvtierd.protocol import Op
+from kvtierd.protocol import Op, Tier
 
 SHM = Path("/dev/shm")
 pytestmark = pytest.mark.timeout(120)
@@ -151,3 +152,44 @@ def _stop_one_more(socket: str, flags: list[str], env: dict[str, str], log_path:
         proc.wait(timeout=30)
     assert proc.returncode == 0, log_path.read_text()
     assert "reclaimed the stale arena" in log_path.read_text(), log_path.read_text()
+
+
+def test_another_daemon_on_the_same_nvme_dir_is_refused_and_never_wipes_it(tmp_path):
+    """The directory lock only keeps out a live daemon; a second instance started later (other
+    socket, other page_bytes) used to reset the index and drop the first one's chunks."""
+    first = DaemonProcess(tmp_path / "first", ["--nvme-write-policy", "write-through"])
+    nvme_dir = first.workdir / "nvme"
+    second = DaemonProcess(tmp_path / "second", ["--nvme-dir", str(nvme_dir)],
+                           page_bytes="128KiB")
+    payload = os.urandom(5000)
+    try:
+        first.start()
+        raw = RawClient(first.address)
+        try:
+            reply, _ = raw.request(Op.HELLO, namespace="owner", rank=0, fingerprint="fp",
+                                   staging={"kind": "inline"})
+            assert reply["name"] == "OK", reply
+            reply, _ = raw.request(Op.PUT, [payload], items=[[b"kept", 0, len(payload)]])
+            assert reply["results"] == [0], reply
+        finally:
+            raw.close()
+        wait_for(lambda: first.stats()["tiers"]["nvme"]["chunks"] == 1, 30, "the NVMe write")
+        first.stop_and_verify()
+        with pytest.raises(RuntimeError, match="exited with 1") as info:
+            second.start()
+        assert "nvme_dir" in str(info.value) and "instance" in str(info.value), info.value
+        first.restart()
+        raw = RawClient(first.address)
+        try:
+            raw.request(Op.HELLO, namespace="owner", rank=0, fingerprint="fp",
+                        staging={"kind": "inline"})
+            reply, _ = raw.request(Op.LOOKUP, keys=[b"kept"])
+            assert reply["tiers"] == [Tier.NVME], reply
+            reply, frames = raw.request(Op.GET, items=[[b"kept", 0, len(payload)]])
+            assert reply["results"] == [0] and frames == [payload], reply
+        finally:
+            raw.close()
+    finally:
+        for d in (second, first):
+            d.stop_and_verify()
+            d.remove_nvme_data()

@@ -129,3 +129,26 @@ def test_an_arena_larger_than_dev_shm_is_enospc_at_start_never_sigbus_later():
     assert result.returncode == 0, result.stderr
     assert "REFUSED" in result.stdout and "No space left" in result.stdout, result.stdout
     assert "LEFT []" in result.stdout, result.stdout
+
+
+def test_systemd_gets_the_reason_in_status(tmp_path, taken_port):
+    name = f"kvtierd-test-notify-{secrets.token_hex(4)}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind("\0" + name)  # an abstract name, as systemd hands out ("@...")
+    listener.settimeout(0)
+    try:
+        addr = f"127.0.0.1:{taken_port}"
+        result, arena = serve("--socket", f"ipc://{tmp_path / 'k.sock'}", "--metrics-addr", addr,
+                              env={"NOTIFY_SOCKET": "@" + name})
+        assert_refused(result, arena, "metrics_addr")
+        got = []
+        while True:
+            try:
+                got.append(listener.recv(65536).decode())
+            except BlockingIOError:
+                break
+    finally:
+        listener.close()
+    status = [line for msg in got for line in msg.splitlines() if line.startswith("STATUS=")]
+    assert status and "metrics_addr" in status[-1] and addr in status[-1], got
+    assert not any("READY=1" in msg for msg in got), got

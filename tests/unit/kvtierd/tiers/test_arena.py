@@ -72,3 +72,20 @@ def test_capacity_check_names_the_numbers_and_the_fix(tmp_path):
     assert "physical RAM" in str(info.value) or "cgroup memory limit" in str(info.value)
     assert "resources.limits.memory" in str(info.value)
     check_arena_fits(MiB, tmp_path)  # fits: no error
+
+
+def test_mlock_advice_blames_rlimit_memlock_only_when_it_is_the_cause():
+    import errno
+    import resource
+
+    from kvtierd.tiers import arena as arena_mod
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    capable = arena_mod._has_capability(arena_mod.CAP_IPC_LOCK)
+    advice = arena_mod._mlock_advice(errno.ENOMEM, 1 << 40)
+    if capable or soft == resource.RLIM_INFINITY:  # the limit does not bind here: memory does
+        assert "RLIMIT_MEMLOCK allows it" in advice and "memory" in advice
+    else:
+        assert f"RLIMIT_MEMLOCK is {soft} bytes" in advice
+    small = arena_mod._mlock_advice(errno.ENOMEM, 4096)  # far below any limit: never the rlimit
+    assert "raise it" not in small
