@@ -10,6 +10,7 @@ returns the one-time ticket HELLO presents. The daemon learns who we are from th
 from __future__ import annotations
 
 import socket
+import struct
 from typing import Any
 
 import msgpack
@@ -34,10 +35,9 @@ def handshake(path: str, kind: str, nbytes: int = 0, fd: int | None = None,
     message = msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "nbytes": int(nbytes)},
                             use_bin_type=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.settimeout(timeout_s)
     try:
         try:
-            sock.connect(path)
+            connect(sock, path, timeout_s)
             if fd is None:
                 sock.sendall(message)
             else:
@@ -53,6 +53,17 @@ def handshake(path: str, kind: str, nbytes: int = 0, fd: int | None = None,
     if answer.get("status") != Status.OK:
         raise HandshakeError(answer.get("status", -1), str(answer.get("message", "")))
     return answer["ticket"], float(answer.get("expires_s", 0.0))
+
+
+def connect(sock: socket.socket, path: str, timeout_s: float) -> None:
+    """Connect, waiting up to ``timeout_s`` while the daemon's accept queue is full (a
+    non-blocking Unix connect would fail with EAGAIN at once instead of waiting), then arm
+    ``timeout_s`` for the rest of the exchange."""
+    seconds = int(timeout_s)
+    micros = int((timeout_s - seconds) * 1e6)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, micros))
+    sock.connect(path)
+    sock.settimeout(timeout_s)
 
 
 def _read_reply(sock: socket.socket) -> dict[str, Any]:

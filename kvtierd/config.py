@@ -118,6 +118,9 @@ class Config:
     # Path of the staging handshake Unix socket. Empty: beside an ipc socket (PATH.hs), else
     # kvtierd-PORT.hs in the runtime directory. Clients learn it from PING.
     handshake_socket: str = ""
+    # A staging handshake's one-time ticket must be presented in HELLO this soon; an unused one's
+    # mapping is then closed.
+    ticket_timeout_s: float = 10.0
     # Python logging level name.
     log_level: str = "INFO"
 
@@ -225,7 +228,7 @@ def _validate(cfg: Config) -> None:
         )
     if cfg.eviction_policy not in POLICIES:
         raise ConfigError("eviction_policy", cfg.eviction_policy, ", ".join(sorted(POLICIES)))
-    for key in ("lease_timeout_s", "session_timeout_s"):
+    for key in ("lease_timeout_s", "session_timeout_s", "ticket_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, getattr(cfg, key), "a positive number of seconds")
     if cfg.nvme_write_policy not in ("write-back", "write-through"):

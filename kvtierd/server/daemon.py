@@ -62,7 +62,6 @@ DRAIN_MAX = 256  # requests handled per poll wake-up before housekeeping gets a 
 PROBE_DELAYS_S = (0.0, 0.2, 1.0)  # a disconnect is probed at once and again, as pipes close late
 NOTICE = pack(reply(0, Status.OK, notice="probe"))
 NEEDS_SESSION = {Op.LOOKUP, Op.PUT, Op.GET, Op.DELETE, Op.BYE}
-TICKET_TTL_S = 10.0  # a handshake's ticket must be presented in HELLO this soon
 MAX_TICKETS = 256  # handshakes awaiting their HELLO (each may hold a client's mapping)
 LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
 
@@ -117,7 +116,7 @@ class Daemon:
         self.metrics.add_tiers(self.mover.tier_stats)
         self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s)
         accounting = Accounting(self.metrics)
-        self.tickets = TicketBook(TICKET_TTL_S, MAX_TICKETS)
+        self.tickets = TicketBook(cfg.ticket_timeout_s, MAX_TICKETS)
         self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting,
                                    self.tickets)
         self.handshake = HandshakeServer(

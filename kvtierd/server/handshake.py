@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 DEADLINE_S = 2.0  # a handshake must be complete this long after connect
 MAX_CONNECTIONS = 64  # handshakes in progress at once
+BACKLOG = 256  # connections the kernel queues before the thread accepts them
+DRAIN_BYTES = 256 * 1024  # unread input discarded before a close, so that the answer arrives
 MAX_FDS = 4  # control-buffer room: more than one fd is refused, more than this is truncated
 _UCRED = struct.Struct("=iII")  # struct ucred: pid_t pid; uid_t uid; gid_t gid
 
@@ -94,7 +96,7 @@ class HandshakeServer:
         try:
             listener.bind(str(self.path))
             os.chmod(self.path, self.mode)
-            listener.listen(MAX_CONNECTIONS)
+            listener.listen(BACKLOG)
             listener.setblocking(False)
         except BaseException:
             listener.close()
@@ -265,9 +267,17 @@ class HandshakeServer:
 
 def _send_and_close(sock: socket.socket, data: bytes) -> None:
     """Best effort: a reply of a few hundred bytes fits any socket buffer; a peer that is gone or
-    that never reads only loses its own answer."""
+    that never reads only loses its own answer. Closing a Unix socket with unread input resets the
+    peer before it reads the answer, so input already queued is discarded first (bounded: a peer
+    that keeps streaming gets the reset)."""
     try:
         sock.send(data)
+        drained = 0
+        while drained < DRAIN_BYTES:
+            chunk = sock.recv(65536, socket.MSG_DONTWAIT)
+            if not chunk:
+                break
+            drained += len(chunk)
     except OSError as exc:
         if exc.errno not in (errno.EPIPE, errno.ECONNRESET, errno.EAGAIN):
             log.debug("handshake reply not sent: %s", exc.strerror)

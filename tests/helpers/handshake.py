@@ -28,11 +28,14 @@ from typing import Any, Sequence
 
 import msgpack
 
+from kvtier_client.handshake import connect
 from kvtierd.control import call
 from kvtierd.protocol import PROTOCOL_VERSION, Op
 
 PAGE = mmap.PAGESIZE
 SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+F_SEAL_WRITE = fcntl.F_SEAL_WRITE
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; not in Python's fcntl module
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -52,8 +55,7 @@ def send_handshake(path: str, message: Any, fds: Sequence[int] = (), timeout_s: 
     return the daemon's answer map."""
     data = message if isinstance(message, bytes) else msgpack.packb(message, use_bin_type=True)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
-        sock.connect(path)
+        connect(sock, path, timeout_s)
         sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
         if sent < len(data):
             sock.sendall(data[sent:])
@@ -81,7 +83,8 @@ class MemfdBuffer:
 
     Defaults make what ``kvtier_client`` makes: fallocated, every page written, sealed
     ``SEALED``. ``seals`` (0: none) and ``allocate=False`` (sparse: ftruncate only) make the bad
-    ones. ``fill`` writes a byte over the whole mapping, tail included.
+    ones (those two, and write-sealed ones, are not mapped here). ``fill`` writes a byte over the
+    whole mapping, tail included.
     """
 
     def __init__(self, nbytes: int, fill: int = 0, *, seals: int = SEALED,
@@ -97,8 +100,9 @@ class MemfdBuffer:
                 os.pwrite(self.fd, bytes(nbytes), 0)  # written: no page left a hole
             if seals:
                 fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, seals)
-            if not allocate:
-                return  # never touch a sparse buffer here: reading it would allocate its pages
+            if not allocate or seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE):
+                return  # not mapped: touching a sparse buffer would allocate its pages, and a
+                # write-sealed one cannot be mapped writable
             address = _libc.mmap(None, self.size, mmap.PROT_READ | mmap.PROT_WRITE,
                                  mmap.MAP_SHARED, self.fd, 0)
             if address in (None, _MAP_FAILED):

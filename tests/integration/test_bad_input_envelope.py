@@ -230,6 +230,7 @@ STAGING_CASES = [
 @pytest.mark.parametrize("case", STAGING_CASES)
 def test_hello_with_bad_staging_handle(shared, memfd, case):
     with bystander(shared, memfd):
+        tickets_before = shared.stats()["handshake"]["tickets"]
         spec, fragments = _staging_case(case, shared, memfd)
         sessions_before = shared.stats()["sessions"]
         raw = RawClient(shared.address)
@@ -240,7 +241,7 @@ def test_hello_with_bad_staging_handle(shared, memfd, case):
                 assert fragment in reply["message"], (fragment, reply)
             _assert_no_session(raw)
             assert shared.stats()["sessions"] <= sessions_before
-            assert shared.stats()["handshake"]["tickets"] == 0, "a refused HELLO left a ticket"
+            assert shared.stats()["handshake"]["tickets"] <= tickets_before, "a ticket was left"
         finally:
             raw.close()
 
