@@ -39,6 +39,8 @@ _CONFIG_FLAGS = (
     ("--nvme-bytes", "nvme_bytes", "capacity of the NVMe tier, e.g. 100GiB; 0 turns it off"),
     ("--nvme-write-policy", "nvme_write_policy", "write-back (default) or write-through"),
     ("--io-threads", "io_threads", "threads doing NVMe I/O"),
+    ("--socket-mode", "socket_mode", "octal mode of the ipc and handshake sockets, e.g. 0660"),
+    ("--handshake-socket", "handshake_socket", "path of the staging handshake socket"),
 )
 # Boolean keys are flags with a --no- form (argparse.BooleanOptionalAction).
 _BOOL_FLAGS = (

@@ -42,15 +42,19 @@ from kvtierd.protocol import (
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
+from kvtierd.server.handshake import HandshakeServer
 from kvtierd.server.movement import TierMover
 from kvtierd.server.sessions import SessionTable
 from kvtierd.server.startup import (  # noqa: F401 (AlreadyServing: the CLI's import)
     AlreadyServing,
     StartupError,
+    bind_handshake,
     bind_router,
     prepare_arena_room,
     serve_metrics,
 )
+from kvtierd.server.tickets import TicketBook
+from kvtierd.staging import MemfdStaging
 from kvtierd.tiers.arena import SHM_DIR, Arena
 from kvtierd.tiers.index_db import ChunkIndexDB
 from kvtierd.tiers.cpu import CpuTier
@@ -64,6 +68,7 @@ DRAIN_MAX = 256  # requests handled per poll wake-up before housekeeping gets a 
 PROBE_DELAYS_S = (0.0, 0.2, 1.0)  # a disconnect is probed at once and again, as pipes close late
 NOTICE = pack(reply(0, Status.OK, notice="probe"))
 NEEDS_SESSION = {Op.LOOKUP, Op.PUT, Op.GET, Op.DELETE, Op.BYE}
+MAX_TICKETS = 256  # handshakes awaiting their HELLO (each may hold a client's mapping)
 LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
 
 
@@ -75,9 +80,17 @@ class Daemon:
         self.metrics.info.labels(__version__, str(PROTOCOL_VERSION)).set(1)
         self.ctx: zmq.Context | None = None
         self.socket: zmq.Socket | None = None
+        self.tickets = TicketBook(cfg.ticket_timeout_s, MAX_TICKETS)
+        # The handshake maps clients' memfds only once serve() starts its thread (self.arena
+        # exists by then); binding it now lets a bad path fail before the arena.
+        self.handshake = HandshakeServer(
+            cfg.handshake_path, cfg.socket_mode_bits, self.tickets,
+            lambda fd, nbytes: MemfdStaging(fd, nbytes, cfg.max_staging_bytes, self.arena.inode),
+            cfg.max_staging_bytes)
         try:
             # Binds first: a taken port or an unbindable path ends the start before the arena.
             self.ctx, self.socket, self.monitor = bind_router(cfg)
+            bind_handshake(self.handshake, cfg)
             self.metrics_address = serve_metrics(self.metrics, cfg.metrics_addr)
             prepare_arena_room(cfg)
             self.notifier.status(f"mapping the CPU tier ({cfg.cpu_bytes} bytes)")
@@ -88,6 +101,7 @@ class Daemon:
             )
         except BaseException as exc:
             self._start_failed(exc)
+            self.handshake.close()
             self._close_sockets()
             self.metrics.close()
             raise
@@ -100,6 +114,7 @@ class Daemon:
             self._build(cfg)
         except BaseException as exc:
             self._start_failed(exc)
+            self.handshake.close()
             self._close_sockets()
             self.metrics.close()
             self.arena.close(unlink=not cfg.cpu_persistent)
@@ -128,7 +143,9 @@ class Daemon:
         self.metrics.add_tiers(self.mover.tier_stats)
         self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s)
         accounting = Accounting(self.metrics)
-        self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting)
+        self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting,
+                                   self.tickets)
+        self.handlers.handshake_stats = self.handshake.counts
         self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
         self._ready_sent = False
         self._pinned_reported = -1
@@ -187,6 +204,7 @@ class Daemon:
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self.request_stop)
                 signal.signal(signal.SIGINT, self.request_stop)
+            self.handshake.start()
             log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes)",
                      __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
                      self.cfg.page_bytes)
@@ -293,6 +311,7 @@ class Daemon:
         for session in self.sessions.expire(now):
             self.metrics.sessions_closed.labels("timeout").inc()
         self.metrics.sessions.set(len(self.sessions))
+        self.tickets.expire(now)
         self.tier.enforce_watermarks()
         self.mover.flush()
         if self.data.waiting:
@@ -313,6 +332,8 @@ class Daemon:
             self._drain_completions()
             self._drain_io()
             self.mover.flush()
+        self.handshake.close()
+        self.tickets.close_all()
         self.sessions.close_all("daemon stopping")
         self.engine.close()
         self.io_engine.close()

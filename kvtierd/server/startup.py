@@ -18,6 +18,7 @@ import zmq
 
 from kvtierd.config import Config
 from kvtierd.paths import MAX_IPC_PATH_BYTES
+from kvtierd.server.handshake import HandshakeServer
 from kvtierd.tiers.arena import SHM_DIR, reclaim_stale_arenas
 from kvtierd.tiers.capacity import check_arena_fits
 
@@ -41,7 +42,7 @@ def bind_router(cfg: Config) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
     stays open (so no context is left to hang in ``term()``) and StartupError names the key."""
     path = cfg.ipc_path
     if path is not None:
-        _prepare_ipc_path(cfg.socket, path)
+        _prepare_ipc_path("socket", cfg.socket, path, cfg.socket_mode_bits)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     try:
@@ -52,6 +53,8 @@ def bind_router(cfg: Config) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
         sock.setsockopt(zmq.RCVHWM, 10000)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.bind(cfg.socket)
+        if path is not None:
+            os.chmod(path, cfg.socket_mode_bits)
     except zmq.ZMQError as exc:
         ctx.destroy(linger=0)
         raise StartupError("socket", cfg.socket, f"bind failed: {exc.strerror or exc}") from None
@@ -61,23 +64,51 @@ def bind_router(cfg: Config) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
     return ctx, sock, monitor
 
 
-def _prepare_ipc_path(endpoint: str, path: Path) -> None:
+def bind_handshake(server: HandshakeServer, cfg: Config) -> None:
+    """Bind the staging handshake socket beside the ZeroMQ one (StartupError naming the key)."""
+    key = "handshake_socket" if cfg.handshake_socket else "socket"
+    path = cfg.handshake_path
+    _prepare_ipc_path(key, str(path), path, cfg.socket_mode_bits)
+    try:
+        server.bind()
+    except OSError as exc:
+        raise StartupError(key, str(path), f"cannot bind the handshake socket: "
+                           f"{exc.strerror or exc}") from None
+
+
+def _prepare_ipc_path(key: str, endpoint: str, path: Path, mode: int) -> None:
     if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
-        raise StartupError("socket", endpoint, f"the path has {len(os.fsencode(path))} bytes; a "
+        raise StartupError(key, endpoint, f"the path has {len(os.fsencode(path))} bytes; a "
                            f"unix socket path holds at most {MAX_IPC_PATH_BYTES}: choose a "
                            "shorter one")
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _prepare_socket_dir(path.parent, mode)
     except OSError as exc:
-        raise StartupError("socket", endpoint, f"cannot create the directory {path.parent}: "
+        raise StartupError(key, endpoint, f"cannot create the directory {path.parent}: "
                            f"{exc.strerror}") from None
     if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise StartupError("socket", endpoint, f"the directory {path.parent} is not writable "
+        raise StartupError(key, endpoint, f"the directory {path.parent} is not writable "
                            "by this user (or is read-only)")
-    claim_ipc_path(path)
+    claim_ipc_path(path, key)
 
 
-def claim_ipc_path(path: Path) -> None:
+def _prepare_socket_dir(directory: Path, mode: int) -> None:
+    """Create the socket directory (0700) and add the search bits ``mode`` needs (a socket's
+    group/other read-write bits are useless without search on its directory); never removes
+    bits from a directory that has them (e.g. /tmp or /run)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    wanted = (0o010 if mode & 0o060 else 0) | (0o001 if mode & 0o006 else 0)
+    current = directory.stat().st_mode & 0o7777
+    if current & wanted == wanted:
+        return
+    try:
+        os.chmod(directory, current | wanted)
+    except OSError as exc:
+        log.warning("cannot add search bits %o to socket directory %s (%s): other users may not "
+                    "reach the sockets", wanted, directory, exc.strerror)
+
+
+def claim_ipc_path(path: Path, key: str = "socket") -> None:
     """Remove a stale socket file left by a dead daemon; refuse to steal a live one."""
     if not path.exists() and not path.is_symlink():
         return
@@ -88,11 +119,11 @@ def claim_ipc_path(path: Path) -> None:
         path.unlink(missing_ok=True)
         return
     except OSError as exc:
-        raise AlreadyServing("socket", f"ipc://{path}",
+        raise AlreadyServing(key, str(path),
                              f"the path exists and is not a usable socket: {exc}") from None
     finally:
         probe.close()
-    raise AlreadyServing("socket", f"ipc://{path}", "another kvtierd is already serving there")
+    raise AlreadyServing(key, str(path), f"another kvtierd is already serving at {path}")
 
 
 def serve_metrics(metrics, addr: str) -> str:

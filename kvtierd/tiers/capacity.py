@@ -15,8 +15,9 @@ from pathlib import Path
 
 from kvtierd.sizes import format_size
 
-# Beyond the arena: the persistent index files in /dev/shm, clients' shm staging buffers (64 MiB
-# each by default) and, for the memory limit, the daemon's own heap.
+# Beyond the arena: the persistent index files in /dev/shm and, for the memory limit, the daemon's
+# own heap and the clients' staging memfds it maps (64 MiB each by default; shared memory charged
+# to whoever touches it first).
 HEADROOM_BYTES = 64 * 1024**2
 # cgroup v2 first (a container sees its own cgroup at the root), then v1.
 CGROUP_LIMIT_FILES = (Path("/sys/fs/cgroup/memory.max"),
