@@ -31,8 +31,10 @@ def serve(*flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Co
     return result, arena
 
 
-def assert_refused(result: subprocess.CompletedProcess, arena: str, *fragments: str) -> None:
-    assert result.returncode == 1, (result.returncode, result.stderr)
+def assert_refused(result: subprocess.CompletedProcess, arena: str, *fragments: str,
+                   code: int = 1) -> None:
+    """Exit ``code`` (1: a start-up error; 2: invalid config), the fragments in stderr."""
+    assert result.returncode == code, (result.returncode, result.stderr)
     for fragment in fragments:
         assert fragment in result.stderr, (fragment, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
@@ -66,8 +68,14 @@ def test_taken_metrics_port_exits_naming_metrics_addr(tmp_path, taken_port):
 def test_ipc_path_longer_than_sun_path_exits_naming_the_socket_key(tmp_path):
     long_dir = tmp_path / ("d" * 60) / ("e" * 60)
     address = f"ipc://{long_dir / 'kvtierd.sock'}"
+    # its handshake socket (the same path + ".hs") is refused by the config check already...
     result, arena = serve("--socket", address, "--metrics-addr", "off")
+    assert_refused(result, arena, "'socket'", "107", code=2)
+    # ...and with a short handshake path, by the bind, before the arena
+    result, arena = serve("--socket", address, "--metrics-addr", "off", "--handshake-socket",
+                          str(tmp_path / "k.hs"))
     assert_refused(result, arena, "socket", address, "107")
+    assert not (tmp_path / "k.hs").exists()
 
 
 MOUNT_SMALL_SHM = "mount --make-rprivate / && mount -t tmpfs -o size=64m tmpfs /dev/shm && "
