@@ -64,9 +64,11 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 def _config_default(key: str) -> str:
     if key == "socket":
         return "see kvtierd.paths: $XDG_RUNTIME_DIR/kvtierd, /run/kvtierd or /tmp/kvtierd-<uid>"
-    if key in ("arena_name", "instance", "nvme_dir"):
-        return {"arena_name": "kvtierd-<instance id>", "instance": "derived from the socket",
-                "nvme_dir": "<state dir>/<instance id>/nvme"}[key]
+    derived = {"arena_name": "kvtierd-<instance id>", "instance": "derived from the socket",
+               "nvme_dir": "<state dir>/<instance id>/nvme",
+               "handshake_socket": "the ipc socket's path + .hs"}
+    if key in derived:
+        return derived[key]
     value = getattr(Config, key, None)
     return format_size(value) if key.endswith("_bytes") and isinstance(value, int) else str(value)
 
