@@ -50,7 +50,8 @@ class Serve:
 
     def __init__(self, tmp_path: Path, env: dict[str, str]) -> None:
         config = tmp_path / "kvtierd.toml"
-        config.write_text('cpu_bytes = "16MiB"\nnvme_bytes = "16MiB"\nmetrics_addr = "127.0.0.1:0"\n')
+        config.write_text('cpu_bytes = "16MiB"\nnvme_bytes = "16MiB"\n'
+                          'metrics_addr = "127.0.0.1:0"\n')
         self.env = {**env, "KVTIERD_CONFIG": str(config)}
         self.socket = paths.default_socket(self.env)
         self.log_path = tmp_path / "serve.log"
