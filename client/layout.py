@@ -86,7 +86,7 @@ class KVGroup:
 
     def _checked_page_bytes(self, who: str, num_layers: int) -> int | tuple[int, ...]:
         pb = self.page_bytes
-        if isinstance(pb, Sequence) and not isinstance(pb, str):
+        if isinstance(pb, (tuple, list)):  # not any Sequence: bytes would pass as small ints
             pages = tuple(pb)
             if len(pages) == num_layers and all(_is_pos_int(p) for p in pages):
                 return pages  # kept as given, even when all equal: to_dict gives back what came in
@@ -106,7 +106,7 @@ class KVGroup:
             # A full-attention group with a window is a contradiction; the default kind means "unset".
             if self.kind == "full_attention":
                 object.__setattr__(self, "kind", "sliding_window")
-        if self.kind in _REFUSED_KINDS:
+        if isinstance(self.kind, str) and self.kind in _REFUSED_KINDS:
             raise ValueError(f"{who}: kind={self.kind!r} cannot be offloaded: "
                              f"{_REFUSED_KINDS[self.kind]}; allowed: one of {KIND_NAMES}")
         if not isinstance(self.kind, str) or self.kind not in KIND_NAMES:
