@@ -126,7 +126,8 @@ def page_paths(tables: KernelTables, units: Sequence[CopyUnit], staging_address:
         g = unit.group
         first, count, _ = tables.groups[GROUP_FIELDS * g: GROUP_FIELDS * (g + 1)]
         for layer in range(first, first + count):
-            base, stride, page, offset = tables.layers[LAYER_FIELDS * layer: LAYER_FIELDS * (layer + 1)]
+            row = tables.layers[LAYER_FIELDS * layer: LAYER_FIELDS * (layer + 1)]
+            base, stride, page, offset = row
             for j, b in enumerate(unit.block_ids):
                 if b < 0:
                     continue
