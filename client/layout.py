@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from .planner import Chunk, plan
+from .planner import Chunk, plan, window_chunks
 
 # Version of the fingerprint encoding; bump it when the encoded fields change.
 FINGERPRINT_FORMAT = 1
@@ -283,6 +283,11 @@ class KVLayout:
     @property
     def tokens_per_chunk(self) -> tuple[int, ...]:
         return tuple(gr.tokens_per_block * n for gr, n in zip(self.groups, self.blocks_per_chunk))
+
+    def window_chunks(self, g: int) -> int | None:
+        """How many trailing chunks of group g a load can use (None: all); vLLM's
+        `sliding_window_size_in_chunks` for the same group, which an adapter can check against."""
+        return window_chunks(self.groups[g], self.tokens_per_chunk[g])
 
     def chunk_nbytes(self, g: int) -> int:
         """Payload bytes of one chunk of group g: [layer][block][page], contiguous, each layer with

@@ -118,6 +118,14 @@ def test_chunked_local_keeps_ceil_chunk_size_over_tokens_per_chunk_chunks():
         assert len(spans(layout, tokens(n, n), ids, 3)) == last
 
 
+def test_layout_window_chunks_per_group():
+    assert [load("llama-4-scout").window_chunks(g) for g in range(4)] == [32, 32, 32, None]
+    assert [load("qwen3-next-80b-a3b").window_chunks(g) for g in range(4)] == [1, 1, 1, None]
+    assert [load("gpt-oss-120b").window_chunks(g) for g in range(2)] == [2, None]  # 128 / 64
+    v4 = load("deepseek-v4-flash")  # tokens per chunk 512, 128, 128, 8, 16
+    assert [v4.window_chunks(g) for g in range(5)] == [None, 1, 1, 1, 8]
+
+
 def test_chunked_local_window_not_a_multiple_of_the_chunk_rounds_up():
     g = KVGroup(tokens_per_block=16, page_bytes=64, layer_names=("c",), kind="chunked_local_attention",
                 sliding_window=100)
