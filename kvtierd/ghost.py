@@ -11,8 +11,8 @@ down to that tier with that tier s times bigger — which is what a demoting hie
 
 The feed (from the request handlers, on the request loop, O(1) per key):
 
-* ``access(ikey, hit_tier)`` for every key of a LOOKUP, hit or miss: one chunk request of the engine,
-  counted as ``kvtierd_hits_total`` / ``kvtierd_misses_total`` count it. Each tier counts the
+* ``access(ikey, hit_tier)`` for every key of a LOOKUP, hit or miss: one chunk request of the
+  engine, counted as ``kvtierd_hits_total`` / ``kvtierd_misses_total`` count it. Each tier counts the
   access, the real outcome (scale 1: a hit in this tier or a faster one) and the outcome in each
   ghost. A miss inserts nothing: as in the real cache, only a PUT does.
 * ``touch(ikey)`` for every GET item: the read makes the key most recent in the ghosts, as it does

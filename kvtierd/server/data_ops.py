@@ -234,6 +234,8 @@ class DataOps:
                 if not batch.session.closed:
                     self._submit(batch, [self._copy_out_job(batch, i, target, offset)],
                                  self._get_job, extend=True)
+                else:  # promoted for the next reader; this one is gone and was served nothing
+                    self._fail(batch, i, Status.NO_SESSION, "the session ended during promotion")
             self.sessions.release_staging(batch.session)
             self._maybe_finish(batch)
             if self.waiting:

@@ -111,7 +111,8 @@ def test_the_image_runs_the_daemon_as_a_non_root_user_with_a_ping_health_check()
 def image_config_source() -> Path:
     """The build-context file the final stage copies to the path KVTIERD_CONFIG names."""
     target = env_of(final_stage())["KVTIERD_CONFIG"]
-    copies = [args.split() for word, args in final_stage() if word == "COPY" and "--from" not in args]
+    copies = [args.split() for word, args in final_stage()
+              if word == "COPY" and "--from" not in args]
     sources = [REPO / src for *srcs, dest in copies for src in srcs if dest == target]
     assert len(sources) == 1, (target, copies)
     return sources[0]
