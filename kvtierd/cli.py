@@ -83,12 +83,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from kvtierd.protocol import Op
 
     cfg = _load(args)
-    stats = call(cfg.socket, Op.STATS, timeout_s=args.timeout)["stats"]
+    stats = call(cfg.socket, Op.STATS, timeout_s=args.timeout, token=admin_token(cfg))["stats"]
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
     else:
         print(format_stats(stats))
     return 0
+
+
+def admin_token(cfg: Config) -> str:
+    """The token STATS/CHECK present: admin_token, else auth_token (config file or
+    KVTIERD_ADMIN_TOKEN / KVTIERD_AUTH_TOKEN), else none."""
+    return cfg.admin_token or cfg.auth_token
 
 
 def cmd_ping(args: argparse.Namespace) -> int:
