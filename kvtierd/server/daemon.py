@@ -407,9 +407,8 @@ class Daemon:
 
     def _run(self, op: Op, identity: bytes, header: dict, payload: list) -> Any:
         if op is Op.HELLO:
-            return self.handlers.hello(identity, header, payload)
-        if op is Op.HELLO:
             self.admission.check_hello(self.sessions, identity)
+            return self.handlers.hello(identity, header, payload)
         session = self.sessions.get(identity)
         if session is None and op in NEEDS_SESSION:
             raise ProtocolError(
