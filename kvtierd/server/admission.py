@@ -32,9 +32,10 @@ def token_matches(given: Any, expected: str) -> bool:
 
 
 class Admission:
-    def __init__(self, cfg: Config, metrics: DaemonMetrics) -> None:
+    def __init__(self, cfg: Config, metrics: DaemonMetrics, max_sessions: int) -> None:
         self.cfg = cfg
         self.metrics = metrics
+        self.max_sessions = max_sessions  # cfg.max_sessions, or lower to fit RLIMIT_NOFILE
 
     def refuse(self, reason: str, status: Status, message: str) -> ProtocolError:
         self.metrics.refused.labels(reason).inc()
@@ -53,11 +54,11 @@ class Admission:
                           "admin_token, or a session opened with auth_token")
 
     def check_hello(self, sessions: SessionTable, identity: bytes) -> None:
-        if identity in sessions.by_identity or len(sessions) < self.cfg.max_sessions:
+        if identity in sessions.by_identity or len(sessions) < self.max_sessions:
             return
         raise self.refuse("sessions", Status.BUSY,
                           f"the daemon has {len(sessions)} sessions, max_sessions is "
-                          f"{self.cfg.max_sessions}; retry later")
+                          f"{self.max_sessions}; retry later")
 
     def check_batch(self, op: Op, session: Session) -> None:
         if session.batches_in_flight < self.cfg.max_in_flight_requests:

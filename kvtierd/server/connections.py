@@ -13,10 +13,11 @@ What holds instead, three layers:
 
 1. ``raise_nofile_limit``: the soft RLIMIT_NOFILE goes to the hard limit at start (systemd's
    default hard limit is 524288; a soft 1024 is only a default).
-2. ``connection_limit``: connections are capped at half of what the table leaves after
+2. ``connection_limit``: connections are capped at a third of what the table leaves after
    ``FD_RESERVE`` descriptors for the daemon's own files (arena, NVMe data and index with its WAL,
-   eventfds of the copy engines, libzmq mailboxes, the metrics exporter, staging buffers), so
-   that the other half absorbs the connections libzmq accepts before the guard reacts.
+   eventfds of the copy engines, libzmq mailboxes, the metrics exporter); sessions are capped at
+   the same number (a session's staging buffer may hold a descriptor), and the last third absorbs
+   the connections libzmq accepts before the guard reacts.
 3. ``ConnectionGuard``, a thread of its own (so a long request on the loop thread does not delay
    it), reads the socket monitor: EVENT_ACCEPTED carries the new connection's descriptor and
    EVENT_DISCONNECTED the closed one's. Connections past the cap are refused at once with
@@ -28,7 +29,8 @@ What holds instead, three layers:
    comes back once connections fall below 90 % of the cap.
 
 So the descriptors a burst can take are bounded by the cap, the backlog and what arrives while the
-guard thread reacts (milliseconds), against a headroom of the cap again. A TCP endpoint cannot be
+guard thread reacts (milliseconds), against a headroom of the cap again (the sessions' third is
+only used by sessions, which are capped as well). A TCP endpoint cannot be
 hidden, but libzmq's TCP listener survives EMFILE (it drops the connection).
 """
 
@@ -73,12 +75,12 @@ def raise_nofile_limit() -> int:
 
 def connection_limit(configured: int, nofile: int) -> int:
     """The connection cap in force: ``max_connections`` or what fits under ``nofile``."""
-    room = max(0, nofile - FD_RESERVE) // 2
+    room = max(0, nofile - FD_RESERVE) // 3
     limit = max(1, min(configured, room))
     if limit < configured:
         log.warning("max_connections lowered from %d to %d to fit under RLIMIT_NOFILE %d "
-                    "(%d descriptors reserved, half of the rest kept as headroom)",
-                    configured, limit, nofile, FD_RESERVE)
+                    "(%d descriptors reserved; of the rest, a third for connections, a third for "
+                    "sessions, a third as headroom)", configured, limit, nofile, FD_RESERVE)
     return limit
 
 

@@ -115,7 +115,12 @@ class Daemon:
         self.metrics.add_tiers(self.mover.tier_stats)
         self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s)
         accounting = Accounting(self.metrics)
-        self.admission = Admission(cfg, self.metrics)
+        # a session's staging buffer may hold a descriptor: no more sessions than connections
+        max_sessions = min(cfg.max_sessions, self.max_connections)
+        if max_sessions < cfg.max_sessions:
+            log.warning("max_sessions lowered from %d to %d (max_connections in force)",
+                        cfg.max_sessions, max_sessions)
+        self.admission = Admission(cfg, self.metrics, max_sessions)
         self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting)
         self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
         self._ready_sent = False
