@@ -112,9 +112,11 @@ frames = st.one_of(good_put(), other, other, other)
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Iterator[DaemonProcess]:
     root = tmp_path_factory.mktemp("fuzz")
-    # small limits; the control session stays quiet for the whole run
+    # small limits; the control session stays quiet for the whole run; every commit also goes to
+    # the NVMe tier and its SQLite index (write-through), so that fuzzed fields reach them too
     config = write_toml(root / "limits.toml", LIMITS_TOML + "session_timeout_s = 600\n")
-    d = start_daemon(root, "fuzzed", "--config", str(config))
+    d = start_daemon(root, "fuzzed", "--config", str(config), "--nvme-write-policy",
+                     "write-through")
     yield d
     d.stop_and_verify()
     d.remove_nvme_data()
