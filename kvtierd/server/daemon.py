@@ -18,7 +18,6 @@ import errno
 import logging
 import os
 import signal
-import socket as pysocket
 import threading
 import time
 from pathlib import Path
@@ -47,9 +46,13 @@ from kvtierd.server.connections import (
     MONITOR_EVENTS, ConnectionGuard, connection_limit, raise_nofile_limit)
 from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
+from kvtierd.server.handshake import HandshakeServer
 from kvtierd.server.movement import TierMover
 from kvtierd.server.probes import ProbeSchedule
 from kvtierd.server.sessions import SessionTable
+from kvtierd.server.socket_files import AlreadyServing, claim_ipc_path, prepare_socket_dir
+from kvtierd.server.tickets import TicketBook
+from kvtierd.staging import MemfdStaging
 from kvtierd.tiers.arena import SHM_DIR, Arena
 from kvtierd.tiers.index_db import ChunkIndexDB
 from kvtierd.tiers.cpu import CpuTier
@@ -62,11 +65,8 @@ TICK_S = 0.1  # housekeeping period: session and lease expiry, watermarks
 DRAIN_MAX = 256  # requests handled per poll wake-up before housekeeping gets a turn
 NOTICE = pack(reply(0, Status.OK, notice="probe"))
 NEEDS_SESSION = {Op.LOOKUP, Op.PUT, Op.GET, Op.DELETE, Op.BYE}
+MAX_TICKETS = 256  # handshakes awaiting their HELLO (each may hold a client's mapping)
 LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
-
-
-class AlreadyServing(RuntimeError):
-    pass
 
 
 class Daemon:
@@ -80,8 +80,10 @@ class Daemon:
         self.max_connections = connection_limit(cfg.max_connections, raise_nofile_limit())
         started = time.perf_counter()
         if cfg.ipc_path is not None:
-            cfg.ipc_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _claim_ipc_path(cfg.ipc_path)  # before touching a persistent arena another one uses
+            prepare_socket_dir(cfg.ipc_path.parent, cfg.socket_mode_bits)
+            claim_ipc_path(cfg.ipc_path)  # before touching a persistent arena another one uses
+        prepare_socket_dir(cfg.handshake_path.parent, cfg.socket_mode_bits)
+        claim_ipc_path(cfg.handshake_path)
         self.arena = Arena(
             cfg.resolved_arena_name(), cfg.cpu_bytes, prefault=cfg.prefault, lock=cfg.mlock,
             persistent=cfg.cpu_persistent,
@@ -121,7 +123,14 @@ class Daemon:
             log.warning("max_sessions lowered from %d to %d (max_connections in force)",
                         cfg.max_sessions, max_sessions)
         self.admission = Admission(cfg, self.metrics, max_sessions)
-        self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting)
+        self.tickets = TicketBook(cfg.ticket_timeout_s, MAX_TICKETS)
+        self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting,
+                                   self.tickets)
+        self.handshake = HandshakeServer(
+            cfg.handshake_path, cfg.socket_mode_bits, self.tickets,
+            lambda fd, nbytes: MemfdStaging(fd, nbytes, cfg.max_staging_bytes, self.arena.inode),
+            cfg.max_staging_bytes)
+        self.handlers.handshake_stats = self.handshake.counts
         self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
         self._ready_sent = False
         self._pinned_reported = -1
@@ -223,6 +232,10 @@ class Daemon:
         self.monitor = sock.get_monitor_socket(MONITOR_EVENTS)
         sock.bind(self.cfg.socket)
         self.socket = sock
+        if self.cfg.ipc_path is not None:
+            os.chmod(self.cfg.ipc_path, self.cfg.socket_mode_bits)
+        self.handshake.bind()
+        self.handshake.start()
         self.guard = ConnectionGuard(self.monitor, self.max_connections, self.cfg.ipc_path,
                                      self._connections_changed, self.probes.disconnected)
         self.guard.start()
@@ -300,6 +313,7 @@ class Daemon:
         for session in self.sessions.expire(now):
             self.metrics.sessions_closed.labels("timeout").inc()
         self.metrics.sessions.set(len(self.sessions))
+        self.tickets.expire(now)
         self.tier.enforce_watermarks()
         self.mover.flush()
         if self.data.waiting:
@@ -320,6 +334,8 @@ class Daemon:
             self._drain_completions()
             self._drain_io()
             self.mover.flush()
+        self.handshake.close()
+        self.tickets.close_all()
         self.sessions.close_all("daemon stopping")
         self.engine.close()
         self.io_engine.close()
@@ -444,26 +460,3 @@ class Daemon:
                 raise
             return None
         return zmq.MessageTracker(*frames) if track else None
-
-
-def _claim_ipc_path(path: Path) -> None:
-    """Remove a stale socket file left by a dead daemon; refuse to steal a live one (also one
-    whose socket is hidden at max_connections)."""
-    _claim_socket_file(ConnectionGuard.hidden_path(path))
-    _claim_socket_file(path)
-
-
-def _claim_socket_file(path: Path) -> None:
-    if not path.exists():
-        return
-    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except ConnectionRefusedError:
-        path.unlink(missing_ok=True)
-        return
-    except OSError as exc:
-        raise AlreadyServing(f"{path} exists and is not a usable socket: {exc}") from None
-    finally:
-        probe.close()
-    raise AlreadyServing(f"another kvtierd is already serving at ipc://{path}")

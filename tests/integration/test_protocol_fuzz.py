@@ -45,8 +45,11 @@ items = st.lists(st.one_of(st.tuples(keys, small, small).map(list), values), max
 staging = st.one_of(
     st.just({"kind": "inline"}), st.just({"kind": "inline"}),
     st.fixed_dictionaries({"kind": st.sampled_from(["shm", "cuda_ipc", "memfd", "inline", 7])},
-                          optional={"name": values, "nbytes": ints, "handle": st.binary(max_size=70),
-                                    "device": ints}),
+                          optional={"ticket": st.one_of(st.binary(min_size=16, max_size=16),
+                                                        values),
+                                    "name": values, "nbytes": ints,
+                                    "handle": st.binary(max_size=70),
+                                    "device": ints, "pci_bus_id": values}),
     values)
 def mostly(right: st.SearchStrategy, wrong: st.SearchStrategy) -> st.SearchStrategy:
     return st.one_of(right, right, right, wrong)
@@ -86,7 +89,8 @@ packed = lambda strategy: strategy.map(lambda v: msgpack.packb(v, use_bin_type=T
 good_hello = st.fixed_dictionaries(  # so that most peers have a session most of the time
     {"v": st.just(PROTOCOL_VERSION), "op": st.just(int(Op.HELLO)), "id": st.integers(1, 2**40),
      "namespace": st.sampled_from(["fz-a", "fz-b"]), "rank": st.integers(0, 3),
-     "fingerprint": st.sampled_from(["fp-fuzz", "fp-other"]), "staging": st.just({"kind": "inline"})})
+     "fingerprint": st.sampled_from(["fp-fuzz", "fp-other"]),
+     "staging": st.just({"kind": "inline"})})
 header = st.one_of(packed(good_hello), packed(well_formed), packed(well_formed),
                    packed(well_formed), packed(anything), packed(values), st.binary(max_size=64))
 payload = st.lists(st.one_of(st.binary(min_size=1, max_size=3000).map(lambda b: b * 3),
