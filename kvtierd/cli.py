@@ -120,6 +120,13 @@ def _ratio(hits: int, misses: int) -> str:
     return f"{hits / total:.1%}" if total else "-"
 
 
+def _connections_line(conns: dict[str, Any]) -> list[str]:
+    if not conns:
+        return []
+    full = ", socket hidden (max_connections reached)" if conns.get("hidden") else ""
+    return [f"connections {conns['open']} of {conns['max']}, {conns['refused']} refused{full}"]
+
+
 def format_stats(stats: dict[str, Any]) -> str:
     """A readable table of a daemon's STATS reply."""
     daemon = stats["daemon"]
@@ -129,6 +136,7 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"protocol {daemon['protocol']}, {stats['sessions']} session(s)",
         f"socket  {daemon['socket']}",
         f"metrics {daemon['metrics'] or 'off'}",
+        *_connections_line(stats.get("connections") or {}),
         "",
         f"{'tier':<6}{'capacity':>12}{'used':>12}{'used%':>8}{'chunks':>10}{'pending':>9}"
         f"{'evictions':>11}",

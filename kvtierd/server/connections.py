@@ -108,6 +108,11 @@ class ConnectionGuard:
         self._thread = threading.Thread(target=self._run, name="kvtierd-connections",
                                         daemon=True)
 
+    def stats(self) -> dict[str, int | bool]:
+        """For STATS (read from the loop thread; plain ints and a bool)."""
+        return {"open": len(self.live), "max": self.limit, "refused": self.refused_total,
+                "hidden": self.hidden}
+
     @staticmethod
     def hidden_path(path: Path) -> Path:
         return path.with_name(f".{path.name}.full")

@@ -239,6 +239,7 @@ class Daemon:
         self.guard = ConnectionGuard(self.monitor, self.max_connections, self.cfg.ipc_path,
                                      self._connections_changed, self.probes.disconnected)
         self.guard.start()
+        self.handlers.connections = self.guard.stats
 
     def _connections_changed(self, live: int, refused: int) -> None:
         """Called from the guard's thread (prometheus-client's metrics are thread-safe)."""

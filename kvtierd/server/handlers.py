@@ -58,6 +58,7 @@ class OpHandlers:
         self.started_at = time.time()
         self.metrics_address: str = ""
         self.pinning: Callable[[], dict] | None = None  # the arena's CUDA pinning progress
+        self.connections: Callable[[], dict] | None = None  # the connection guard's counts
 
     # -- session ---------------------------------------------------------------------------------
     def hello(self, identity: bytes, header: dict, frames: list) -> dict:
@@ -188,6 +189,7 @@ class OpHandlers:
                 },
                 "tiers": dict(self.mover.tier_stats()),
                 "sessions": len(self.sessions),
+                "connections": self.connections() if self.connections else {},
                 "handshake": {"socket": str(self.cfg.handshake_path), "tickets": len(self.tickets),
                               **self.handshake_stats},
                 "counts": dict(self.accounting.counts),

@@ -130,6 +130,9 @@ def test_connections_past_rlimit_nofile_do_not_abort(daemon_factory, many_fds):
 
         wait_for(new_one_served, 60, "a new connection served once the crowd closed")
         assert d.alive(), d.log()
+        connections = d.stats()["connections"]
+        assert connections["max"] == (1024 - 256) // 3 and connections["refused"] > 0, connections
+        assert not connections["hidden"], connections
     finally:
         for sock in crowd:
             sock.close()
