@@ -12,7 +12,7 @@ from helpers.workload import DEPLOY, REPO
 
 PROM = DEPLOY / "prometheus"
 ALERTS = {"KvtierdDown", "KvtierdTierFull", "KvtierdIntegrityFailures", "KvtierdRequestErrors",
-          "KvtierdHitRatioCollapse"}
+          "KvtierdHitRatioCollapse", "KvtierdRefusing"}
 
 
 def test_promtool_checks_the_scrape_config(promtool):
