@@ -70,10 +70,24 @@ class KVTierClient:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-client")
         self._last_call = time.monotonic()
         self._closed = threading.Event()
-        self._executor.submit(self._ensure_session).result()
+        try:
+            self._executor.submit(self._ensure_session).result()
+        except BaseException:
+            self._discard()
+            raise
         self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,),
                                            name="kvtier-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _discard(self) -> None:
+        """The constructor failed: release what it made. No PUT or GET went out, so no daemon
+        copy can target a staging buffer, and the copier frees every one at once (a worker that
+        retries every few seconds would otherwise leak its staging each time)."""
+        self._closed.set()
+        self._executor.shutdown(wait=True)
+        self._transport.close()
+        if self._cuda is not None:
+            self._cuda.close()
 
     @classmethod
     def connect(cls, address: str, *, layout: KVLayout, kv_caches: dict[str, torch.Tensor],
@@ -157,8 +171,12 @@ class KVTierClient:
                 Op.HELLO, namespace=self.namespace, rank=self.layout.rank,
                 fingerprint=self.layout.fingerprint, staging=staging.handle(), token=self._token,
                 client={"pid": os.getpid(), "library": "kvtier_client"})
+        except DaemonError:
+            staging.free()  # refused: the daemon holds no mapping of it, so it goes at once
+            self._transport.reset()
+            raise
         except BaseException:
-            staging.close()
+            staging.close()  # unanswered: the daemon may map it late, so a device one is retired
             self._transport.reset()
             raise
         staging.unlink()  # the daemon maps it now; nothing may outlive both processes

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvtierd import __version__
+from kvtierd import __version__, cuda_health
 from kvtierd.config import Config
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.ghost import GhostCaches, GhostCollector
@@ -183,6 +183,12 @@ class Daemon:
             self._loop()
         finally:
             self._shutdown()
+        lost = cuda_health.lost()
+        if lost:
+            raise cuda_health.CudaContextLost(
+                "CUDA context lost on " + ", ".join(f"device {d} ({why})" for d, why in
+                                                   sorted(lost.items()))
+                + "; exiting for the supervisor to restart kvtierd with a fresh context")
 
     def _announce_when_pinned(self) -> None:
         """systemd READY=1 once the arena is pinned (or pinning is off/impossible): requests are
@@ -232,6 +238,9 @@ class Daemon:
             if self.monitor in events:
                 self._drain_monitor()
             self.mover.flush()  # writes and deletes queued by what was just handled
+            if cuda_health.any_lost():  # a sticky CUDA error: stop serving, exit for a restart
+                self._stop.set()
+                break
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + TICK_S

@@ -67,8 +67,13 @@ class OpHandlers:
         staging_spec = requests.field(header, "staging", dict, "a staging handle map")
         staging = self._open_staging(staging_spec)
         client = header.get("client") if isinstance(header.get("client"), dict) else {}
-        session = Session(identity, namespace, rank, fingerprint, staging, client)
-        self.sessions.add(session)
+        try:
+            session = Session(identity, namespace, rank, fingerprint, staging, client)
+            self.sessions.add(session)
+        except BaseException:  # a refused HELLO keeps no mapping: the client frees its buffer
+            if staging is not None:
+                staging.close()
+            raise
         self.metrics.sessions.set(len(self.sessions))
         log.info(
             "session %d: namespace %s rank %d staging %s pid %s", session.id, namespace, rank,
