@@ -111,7 +111,10 @@ def allocation_range(cupy: Any, ptr: int) -> tuple[int, int]:
     """``(base, size)`` of the device allocation holding ``ptr`` (current device's context)."""
     binding = getattr(cupy.cuda.driver, "memGetAddressRange", None)
     if binding is not None:
-        return binding(ptr)
+        try:
+            return binding(ptr)
+        except Exception as exc:  # CUDADriverError
+            raise DriverError(f"cuMemGetAddressRange(0x{ptr:x}) failed: {exc}") from None
     fn = _cu_mem_get_address_range()
     base = ctypes.c_uint64()
     size = ctypes.c_size_t()

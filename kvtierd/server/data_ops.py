@@ -356,7 +356,10 @@ class DataOps:
     def on_copy_done(self, context: tuple[Batch, list], result: Any, error: BaseException | None):
         batch, bucket = context
         session = batch.session
-        if error is not None:
+        if isinstance(error, CudaContextLost):  # logged once, as CRITICAL, by cuda_health
+            log.error("copy for %s batch of session %d failed: %s", batch.op.name, session.id,
+                      error)
+        elif error is not None:
             log.error("copy for %s batch of session %d failed", batch.op.name, session.id,
                       exc_info=error)
         for pos, (index, entry, _) in enumerate(bucket):

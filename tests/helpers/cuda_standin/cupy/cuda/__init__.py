@@ -1,0 +1,82 @@
+"""CPU stand-in (see ../../README.md) for ``cupy.cuda``: devices, streams, events, modules.
+
+Copies run synchronously in ``runtime.memcpyAsync``, so streams and events only check the context.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from . import compiler, driver, runtime
+
+_ptrs = itertools.count(0x1000, 0x10)
+
+
+class Device:
+    def __init__(self, device: int = 0) -> None:
+        self.id = device
+        self._previous: list[int] = []
+
+    def __enter__(self) -> Device:
+        self._previous.append(runtime.getDevice())
+        runtime.setDevice(self.id)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        runtime.setDevice(self._previous.pop())
+
+
+class Stream:
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
+        runtime._check_context()
+        self.ptr = 0 if null else next(_ptrs)
+
+    def synchronize(self) -> None:
+        runtime._check_context()
+
+    def wait_event(self, event: Event) -> None:
+        runtime._check_context()
+
+
+class ExternalStream(Stream):
+    def __init__(self, ptr: int, device_id: int = -1) -> None:
+        self.ptr = ptr
+
+
+class Event:
+    def __init__(self, block: bool = False, disable_timing: bool = False,
+                 interprocess: bool = False) -> None:
+        runtime._check_context()
+        self.block = block
+        self.disable_timing = disable_timing
+
+    def record(self, stream: Stream | None = None) -> None:
+        runtime._check_context()
+
+    def synchronize(self) -> None:
+        runtime._check_context()
+
+
+class _Function:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError(f"the CPU stand-in has no kernels ({self.name}); the GPU "
+                                  "runs them, tests/unit/cuda checks their code on the host")
+
+
+class RawModule:
+    def __init__(self, code: str = "", options: tuple = (), name_expressions: object = None,
+                 **kwargs: object) -> None:
+        self.code = code
+
+    def get_function(self, name: str) -> _Function:
+        runtime._check_context()
+        if f"void {name}(" not in self.code and f" {name}(" not in self.code:
+            raise driver.CUDADriverError(500, f"no kernel named {name} (CUDA_ERROR_NOT_FOUND)")
+        return _Function(name)
+
+
+__all__ = ["Device", "Event", "ExternalStream", "RawModule", "Stream", "compiler", "driver",
+           "runtime"]
