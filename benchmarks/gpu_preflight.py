@@ -84,7 +84,18 @@ def host_limits(arena_bytes: int) -> str:
     return detail
 
 
+def import_cupy() -> Any:
+    """CuPy, or the ImportError that ``device_info`` then reports."""
+    try:
+        import cupy  # noqa: PLC0415 - what is being checked
+    except ImportError as exc:
+        return exc
+    return cupy
+
+
 def device_info(cp: Any) -> str:
+    if isinstance(cp, ImportError):
+        raise cp
     if getattr(cp, "STANDIN", False):
         raise RuntimeError("this CuPy is the CPU stand-in of tests/helpers: nothing would be "
                            "verified (take it off PYTHONPATH)")
@@ -250,11 +261,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     checks = Checks()
     checks.run("host: /dev/shm and RLIMIT_MEMLOCK", lambda: host_limits(args.arena_gib * GiB))
-    try:
-        import cupy as cp  # noqa: PLC0415
-    except ImportError as exc:
-        checks.run("CuPy and a GPU", lambda: (_ for _ in ()).throw(exc))
-        return finish(checks, args.json)
+    cp = import_cupy()
     if not checks.run("CuPy and a GPU", lambda: device_info(cp)):
         return finish(checks, args.json)
     exporter = Exporter(args.ipc_mib * MiB)  # starts while NVRTC compiles
