@@ -28,7 +28,7 @@ from kvtierd.protocol import STORED, Op, Status, Tier
 from .copies import CopyUnit, build_page_tables, gather, scatter
 from .layout import KVLayout
 from .planner import Chunk
-from .cuda_staging import CudaCopier, tables_device
+from .cuda_staging import CudaCopier, CudaStagingBuffer, tables_device
 from .staging import ShmStagingBuffer, align
 from .transport import DaemonError, DaemonUnavailable, Transport
 
@@ -171,8 +171,11 @@ class KVTierClient:
                 Op.HELLO, namespace=self.namespace, rank=self.layout.rank,
                 fingerprint=self.layout.fingerprint, staging=staging.handle(), token=self._token,
                 client={"pid": os.getpid(), "library": "kvtier_client"})
-        except DaemonError:
-            staging.free()  # refused: the daemon holds no mapping of it, so it goes at once
+        except DaemonError:  # refused: the daemon holds no mapping of it, so it goes at once
+            if isinstance(staging, CudaStagingBuffer):
+                staging.free()  # not retired, as close() would
+            else:
+                staging.close()
             self._transport.reset()
             raise
         except BaseException:

@@ -59,8 +59,6 @@ class ShmStagingBuffer:
             del self.tensor
             self._mmap.close()
 
-    free = close  # the device buffer's name for "release it now" (a refused HELLO)
-
 
 def staging_group(env: dict[str, str] | None = None) -> int | None:
     """The gid named by ``KVTIER_STAGING_GROUP`` (a group name or a number), or None."""

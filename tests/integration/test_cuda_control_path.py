@@ -21,8 +21,8 @@ import torch
 from helpers.cuda_standin import cupy as standin_cupy
 from helpers.cuda_standin import cupyx as standin_cupyx
 from helpers.cuda_standin.cupy.cuda import runtime as standin
+from helpers.cuda_ipc import cuda_ipc_hello, cuda_ipc_spec
 from helpers.kv import simple_layout
-from helpers.raw import RawClient
 from helpers.wait import wait_for
 from kvtier_client import KVTierClient, kernels
 from kvtier_client import client as client_module
@@ -49,9 +49,8 @@ class DeviceBuffer:
         self.handle = standin.ipcGetMemHandle(self.address)
 
     def spec(self, nbytes: int | None = None) -> dict:
-        return {"kind": "cuda_ipc", "handle": self.handle, "device": 0,
-                "nbytes": self.nbytes if nbytes is None else nbytes,
-                "pci_bus_id": standin.deviceGetPCIBusId(0)}
+        return cuda_ipc_spec(self.handle, self.nbytes if nbytes is None else nbytes, 0,
+                             standin.deviceGetPCIBusId(0))
 
     def write(self, offset: int, data: bytes) -> None:
         ctypes.memmove(self.address + offset, data, len(data))
@@ -70,13 +69,6 @@ def device_buffer():
     buf.free()
 
 
-def hello(address: str, spec: dict) -> tuple[RawClient, dict]:
-    raw = RawClient(address)
-    reply, _ = raw.request(Op.HELLO, namespace="standin", rank=0, fingerprint="fp-standin",
-                           staging=spec)
-    return raw, reply
-
-
 def payloads(rng: random.Random, sizes: list[int]) -> list[bytes]:
     return [rng.randbytes(n) for n in sizes]
 
@@ -87,7 +79,7 @@ def test_roundtrip_through_an_ipc_handle_is_byte_exact(daemon_factory, device_bu
     sizes = [200_000, 65_536, 333_333, 1]
     datas = payloads(rng, sizes)
     offsets = [0, 256 << 10, 512 << 10, 1 << 20]
-    raw, reply = hello(daemon.address, device_buffer.spec())
+    raw, reply = cuda_ipc_hello(daemon.address, device_buffer.spec())
     assert reply["name"] == "OK", reply
     assert daemon.stats()["cuda"]["open_handles"] == 1
     for off, data in zip(offsets, datas):
@@ -115,14 +107,14 @@ def test_roundtrip_through_an_ipc_handle_is_byte_exact(daemon_factory, device_bu
 
 def test_announced_size_above_the_allocation_is_refused(daemon_factory, device_buffer):
     daemon = daemon_factory(env=standin_env())
-    raw, reply = hello(daemon.address, device_buffer.spec(BUFFER + 1))
+    raw, reply = cuda_ipc_hello(daemon.address, device_buffer.spec(BUFFER + 1))
     assert reply["name"] == "BAD_HANDLE", reply
     assert f"staging nbytes {BUFFER + 1} is larger than the {BUFFER}-byte device allocation" in \
         reply["message"]
     assert daemon.stats()["cuda"]["open_handles"] == 0
     raw.close()
     # the same handle, honestly announced (smaller is fine), still opens
-    raw, reply = hello(daemon.address, device_buffer.spec(BUFFER // 2))
+    raw, reply = cuda_ipc_hello(daemon.address, device_buffer.spec(BUFFER // 2))
     assert reply["name"] == "OK", reply
     out, _ = raw.request(Op.PUT, items=[[b"k", BUFFER // 2 - 8, 16]])
     assert out["results"] == [Status.OUT_OF_BOUNDS], out
@@ -134,8 +126,8 @@ def test_one_handle_in_two_sessions_shares_one_mapping(daemon_factory, device_bu
     daemon = daemon_factory(env=standin_env())
     data = random.Random(3).randbytes(100_000)
     device_buffer.write(0, data)
-    first, r1 = hello(daemon.address, device_buffer.spec())
-    second, r2 = hello(daemon.address, device_buffer.spec())
+    first, r1 = cuda_ipc_hello(daemon.address, device_buffer.spec())
+    second, r2 = cuda_ipc_hello(daemon.address, device_buffer.spec())
     assert r1["name"] == r2["name"] == "OK", (r1, r2)
     assert first.request(Op.PUT, items=[[b"a", 0, len(data)]])[0]["results"] == [Status.OK]
     first.request(Op.BYE)  # must not unmap the buffer the second session still copies through
@@ -153,7 +145,7 @@ def test_one_handle_in_two_sessions_shares_one_mapping(daemon_factory, device_bu
 def test_a_sticky_cuda_error_answers_and_exits_for_a_restart(daemon_factory, device_buffer):
     daemon = daemon_factory(env=standin_env(KVTIER_CUDA_STANDIN_FAULT_AFTER="1"))
     rng = random.Random(7)
-    raw, reply = hello(daemon.address, device_buffer.spec())
+    raw, reply = cuda_ipc_hello(daemon.address, device_buffer.spec())
     assert reply["name"] == "OK", reply
     device_buffer.write(0, rng.randbytes(8192))
     ok, _ = raw.request(Op.PUT, items=[[b"first", 0, 4096]])  # one DMA: the last that works
@@ -173,12 +165,11 @@ KILLED_CLIENT = textwrap.dedent(r"""
     import ctypes, random, sys
     sys.path.insert(0, sys.argv[2])
     from helpers.cuda_standin.cupy.cuda import runtime as rt
-    from helpers.raw import RawClient
+    from helpers.cuda_ipc import cuda_ipc_hello, cuda_ipc_spec
     from kvtierd.protocol import Op
     ptr = rt.malloc(4 << 20)
-    spec = {"kind": "cuda_ipc", "handle": rt.ipcGetMemHandle(ptr), "nbytes": 4 << 20, "device": 0}
-    raw = RawClient(sys.argv[1])
-    reply, _ = raw.request(Op.HELLO, namespace="killed", rank=0, fingerprint="fp", staging=spec)
+    spec = cuda_ipc_spec(rt.ipcGetMemHandle(ptr), 4 << 20)
+    raw, reply = cuda_ipc_hello(sys.argv[1], spec, namespace="killed")
     assert reply["name"] == "OK", reply
     ctypes.memmove(ptr, random.randbytes(1 << 20), 1 << 20)
     print("ready", flush=True)
@@ -208,7 +199,7 @@ def test_a_sigkilled_client_leaves_no_open_handle(daemon_factory, tmp_path, devi
     wait_for(lambda: daemon.stats()["cuda"]["open_handles"] == 0, 30, "handle closed")
     assert daemon.stats()["sessions"] == 0
     daemon.check()
-    raw, reply = hello(daemon.address, device_buffer.spec())  # and it still serves
+    raw, reply = cuda_ipc_hello(daemon.address, device_buffer.spec())  # and it still serves
     assert reply["name"] == "OK", reply
     raw.close()
 
