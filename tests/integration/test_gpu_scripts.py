@@ -3,6 +3,7 @@ never pass; ``--fetch-wheels`` reports pip's failure. (On a GPU they are the ver
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -72,3 +73,35 @@ def test_preflight_without_cupy_fails_with_its_table(tmp_path):
     lines = done.stdout.strip().splitlines()
     assert lines[-1] == "preflight: FAIL"
     assert any(line.startswith("CuPy and a GPU") and " FAIL " in line for line in lines), lines
+
+
+def load_preflight():
+    spec = importlib.util.spec_from_file_location("gpu_preflight",
+                                                  ROOT / "benchmarks" / "gpu_preflight.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_preflight_ipc_checks_run_their_course_on_the_cpu_stand_in(monkeypatch):
+    """The preflight's IPC rows (a child exporting, open twice, SIGKILL, D2H after it) walk their
+    whole control flow on the stand-in, so the device run cannot lose them to a plain bug. What
+    they answer here is the stand-in's, not a GPU's."""
+    from helpers.cuda_standin import cupy as standin_cupy  # noqa: PLC0415
+
+    standin = str(ROOT / "tests" / "helpers" / "cuda_standin")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (standin, os.environ.get("PYTHONPATH")) if p))  # the exporting child's cupy
+    preflight = load_preflight()
+    exporter = preflight.Exporter(1 << 20)
+    state: dict = {}
+    try:
+        opened = preflight.ipc_open(standin_cupy, exporter, state)
+        assert "bytes match" in opened and "second open of the same handle returns" in opened
+        after = preflight.after_sigkill(standin_cupy, exporter, state)
+        assert after.startswith("after SIGKILL of the exporter a D2H reads the child's bytes")
+        assert after.endswith("context healthy")
+    finally:
+        exporter.kill()
+        exporter.proc.stdin.close()
+        exporter.proc.stdout.close()

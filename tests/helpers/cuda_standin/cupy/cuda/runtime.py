@@ -184,6 +184,10 @@ def memcpyAsync(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None
     ctypes.memmove(dst, src, nbytes)
 
 
+def memcpy(dst: int, src: int, nbytes: int, kind: int) -> None:
+    memcpyAsync(dst, src, nbytes, kind, 0)
+
+
 def hostRegister(ptr: int, nbytes: int, flags: int) -> None:
     _check_context()
     _registered[ptr] = nbytes
