@@ -18,13 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.cuda_standin import cupy as standin_cupy
-from helpers.cuda_standin import cupyx as standin_cupyx
 from helpers.cuda_standin.cupy.cuda import runtime as standin
 from helpers.cuda_ipc import cuda_ipc_hello, cuda_ipc_spec
 from helpers.kv import simple_layout
+from helpers.standin import use_standin_cupy
 from helpers.wait import wait_for
-from kvtier_client import KVTierClient, kernels
+from kvtier_client import KVTierClient
 from kvtier_client import client as client_module
 from kvtier_client.transport import DaemonError
 from kvtierd.cuda_health import EXIT_CUDA_CONTEXT_LOST
@@ -208,9 +207,7 @@ def test_a_sigkilled_client_leaves_no_open_handle(daemon_factory, tmp_path, devi
 def standin_cupy_here(monkeypatch):
     """This process's ``import cupy`` gets the stand-in, and the client takes its CUDA path for
     CPU tensors (the only thing replaced: which device the KV cache is on)."""
-    monkeypatch.setitem(sys.modules, "cupy", standin_cupy)
-    monkeypatch.setitem(sys.modules, "cupyx", standin_cupyx)
-    monkeypatch.setattr(kernels, "_modules", {})
+    use_standin_cupy(monkeypatch)
     monkeypatch.setattr(client_module, "tables_device", lambda tables: torch.device("cuda", 0))
     before = standin.allocated_bytes()
     yield

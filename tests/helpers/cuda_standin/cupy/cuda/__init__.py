@@ -30,9 +30,12 @@ class Stream:
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
         runtime._check_context()
         self.ptr = 0 if null else next(_ptrs)
+        self.device = runtime.getDevice()
+        self.synchronized = 0  # tests check who waited for what
 
     def synchronize(self) -> None:
         runtime._check_context()
+        self.synchronized += 1
 
     def wait_event(self, event: Event) -> None:
         runtime._check_context()
@@ -41,6 +44,8 @@ class Stream:
 class ExternalStream(Stream):
     def __init__(self, ptr: int, device_id: int = -1) -> None:
         self.ptr = ptr
+        self.device = device_id
+        self.synchronized = 0
 
 
 class Event:
@@ -60,6 +65,7 @@ class Event:
 class _Function:
     def __init__(self, name: str) -> None:
         self.name = name
+        self.device = runtime.getDevice()  # the device current at get_function (a GPU binds it)
 
     def __call__(self, *args: object, **kwargs: object) -> None:
         raise NotImplementedError(f"the CPU stand-in has no kernels ({self.name}); the GPU "
