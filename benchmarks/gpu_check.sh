@@ -131,7 +131,7 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "missing: ${missing[*]}; installing them from .whl/"
   if ! "$PY" -m pip install -q --no-index --find-links .whl --no-deps --no-compile \
-      --no-cache-dir --target /tmp/kvt-site "${missing[@]}" > "$OUT/pip.log" 2>&1; then
+      --no-cache-dir --upgrade --target /tmp/kvt-site "${missing[@]}" > "$OUT/pip.log" 2>&1; then
     row "dependencies" "FAIL" 0 "pip could not install ${missing[*]} from .whl/ (see pip.log; run '$0 --fetch-wheels' where pip works and carry .whl)"
     VERDICT="FAIL: dependencies missing"
     exit 1

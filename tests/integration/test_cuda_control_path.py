@@ -35,8 +35,9 @@ POISON = 0xAB
 
 
 def standin_env(**extra: str) -> dict:
+    """A daemon whose ``import cupy`` finds the stand-in; its copy threads must sleep on events."""
     path = os.pathsep.join(p for p in (str(STANDIN_DIR), os.environ.get("PYTHONPATH")) if p)
-    return {"PYTHONPATH": path, **extra}
+    return {"PYTHONPATH": path, "KVTIER_CUDA_STANDIN_STRICT_EVENTS": "1", **extra}
 
 
 class DeviceBuffer:

@@ -6,8 +6,13 @@ Copies run synchronously in ``runtime.memcpyAsync``, so streams and events only 
 from __future__ import annotations
 
 import itertools
+import os
 
 from . import compiler, driver, runtime
+
+#: Set in a process whose host waits must sleep (the daemon's copy threads): waiting on an event
+#: made without ``block=True`` then raises instead of spinning.
+STRICT_EVENTS_ENV = "KVTIER_CUDA_STANDIN_STRICT_EVENTS"
 
 _ptrs = itertools.count(0x1000, 0x10)
 
@@ -60,6 +65,9 @@ class Event:
 
     def synchronize(self) -> None:
         runtime._check_context()
+        if not self.block and os.environ.get(STRICT_EVENTS_ENV):
+            raise RuntimeError("a host wait on a non-blocking event spins a CPU core "
+                               f"({STRICT_EVENTS_ENV} is set: use Event(block=True))")
 
 
 class _Function:
