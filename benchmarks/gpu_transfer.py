@@ -264,7 +264,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=16, help="layers (each K and V)")
     parser.add_argument("--page", type=int, default=32768, help="page bytes (16 tok x 8 x 128 bf16)")
     parser.add_argument("--blocks", type=int, default=2048,
-                        help="blocks per layer (2048: 2 GiB batches, so launch overhead is small)")
+                        help="blocks per layer (2048: 2 GiB batches, small launch overhead)")
     parser.add_argument("--bpc", type=int, default=16, help="blocks per chunk")
     parser.add_argument("--arena-gib", type=int, default=4)
     parser.add_argument("--copy-threads", type=int, default=8)

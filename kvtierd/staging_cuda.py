@@ -13,10 +13,11 @@ session on that GPU.
 Copies are ``cudaMemcpyAsync`` on one stream per device, one per contiguous run of arena bytes
 (adjacent arena runs are merged; runs are cut where a pinned piece ends, see ``tiers.pinning``).
 Each call records an event behind its own copies and waits for it (a blocking event: the copy
-thread sleeps, it does not spin), so copy threads sharing the stream wait only for what they need. A
-CUDA error in a copy fails that copy; a sticky one marks the device lost (``cuda_health``): every
-later copy on it fails at once and the daemon exits to be restarted with a fresh context. ``copy_in`` then hashes the arena bytes (xxh3-128) as the shm
-path does. A daemon without CuPy or a GPU refuses the HELLO with BAD_HANDLE and the reason.
+thread sleeps, it does not spin), so copy threads sharing the stream wait only for what they need.
+``copy_in`` then hashes the arena bytes (xxh3-128) as the shm path does. A CUDA error in a copy
+fails that copy; a sticky one marks the device lost (``cuda_health``): every later copy on it fails
+at once and the daemon exits to be restarted with a fresh context. A daemon without CuPy or a GPU
+refuses the HELLO with BAD_HANDLE and the reason.
 """
 
 from __future__ import annotations

@@ -180,8 +180,9 @@ def memcpyAsync(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None
         injected = fault_after is not None and _state["copies"] > int(fault_after)
     if injected or any(_region(ptr, nbytes) is None for ptr in device_side):
         _state["broken"] = ILLEGAL_ADDRESS
+        how = " (injected)" if injected else ""
         raise CUDARuntimeError(ILLEGAL_ADDRESS, f"copy of {nbytes} bytes at "
-                               f"0x{device_side[0]:x} faulted" + (" (injected)" if injected else ""))
+                               f"0x{device_side[0]:x} faulted{how}")
     ctypes.memmove(dst, src, nbytes)
 
 
