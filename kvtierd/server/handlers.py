@@ -12,7 +12,7 @@ import os
 import time
 from typing import Callable
 
-from kvtierd import __version__, staging_cuda
+from kvtierd import __version__, cuda_health, staging_cuda
 from kvtierd.config import Config
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
@@ -174,7 +174,9 @@ class OpHandlers:
                 "counts": dict(self.accounting.counts),
                 "ghosts": self.ghosts.stats(),
                 "cuda": {"pinning": self.pinning() if self.pinning else None,
-                         **staging_cuda.stats()},
+                         **staging_cuda.stats(),
+                         # devices whose context hit a sticky error (the daemon is exiting)
+                         "lost": {str(d): why for d, why in cuda_health.lost().items()}},
             }
         }
 

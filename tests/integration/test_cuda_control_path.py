@@ -82,6 +82,7 @@ def test_roundtrip_through_an_ipc_handle_is_byte_exact(daemon_factory, device_bu
     raw, reply = cuda_ipc_hello(daemon.address, device_buffer.spec())
     assert reply["name"] == "OK", reply
     assert daemon.stats()["cuda"]["open_handles"] == 1
+    assert daemon.stats()["cuda"]["lost"] == {}
     for off, data in zip(offsets, datas):
         device_buffer.write(off, data)
     keys = [f"chunk-{i}".encode() for i in range(len(sizes))]
