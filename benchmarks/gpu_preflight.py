@@ -152,7 +152,7 @@ def registered_arena(cp: Any, nbytes: int) -> str:
         finally:
             cp.cuda.runtime.free(dev)
             cp.cuda.runtime.hostUnregister(arena.address)
-        detail = (f"{nbytes / GiB:.0f} GiB arena (mlocked={arena.locked}) registered in "
+        detail = (f"{nbytes / GiB:.2f} GiB arena (mlocked={arena.locked}) registered in "
                   f"{reg_s:.2f} s; D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s, cudaHostAlloc D2H "
                   f"{ref:.1f} GB/s ({d2h / ref:.2f}x)")
         if d2h < 0.7 * ref:

@@ -5,8 +5,11 @@ Copies run synchronously in ``runtime.memcpyAsync``, so streams and events only 
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import mmap
 import os
+import time
 
 from . import compiler, driver, runtime
 
@@ -62,12 +65,33 @@ class Event:
 
     def record(self, stream: Stream | None = None) -> None:
         runtime._check_context()
+        self.time = time.perf_counter()  # copies are synchronous: "when the stream got here"
 
     def synchronize(self) -> None:
         runtime._check_context()
         if not self.block and os.environ.get(STRICT_EVENTS_ENV):
             raise RuntimeError("a host wait on a non-blocking event spins a CPU core "
                                f"({STRICT_EVENTS_ENV} is set: use Event(block=True))")
+
+
+class PinnedMemoryPointer:
+    """Host memory (``alloc_pinned_memory``): an anonymous mapping, ``ptr`` its address."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._mm = mmap.mmap(-1, nbytes)
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.ptr = ctypes.addressof(self._anchor)
+        self.size = nbytes
+
+
+def get_elapsed_time(start: Event, end: Event) -> float:
+    """Milliseconds between two recorded events (host time: the stand-in's copies are
+    synchronous; nothing measured here says anything about a GPU)."""
+    return (end.time - start.time) * 1000
+
+
+def alloc_pinned_memory(nbytes: int) -> PinnedMemoryPointer:
+    return PinnedMemoryPointer(nbytes)
 
 
 class _Function:
@@ -92,5 +116,5 @@ class RawModule:
         return _Function(name)
 
 
-__all__ = ["Device", "Event", "ExternalStream", "RawModule", "Stream", "compiler", "driver",
-           "runtime"]
+__all__ = ["Device", "Event", "ExternalStream", "PinnedMemoryPointer", "RawModule", "Stream",
+           "alloc_pinned_memory", "compiler", "driver", "get_elapsed_time", "runtime"]

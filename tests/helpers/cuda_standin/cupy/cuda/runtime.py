@@ -190,6 +190,14 @@ def memcpy(dst: int, src: int, nbytes: int, kind: int) -> None:
     memcpyAsync(dst, src, nbytes, kind, 0)
 
 
+def memset(ptr: int, value: int, nbytes: int) -> None:
+    _check_context()
+    if _region(ptr, nbytes) is None:
+        _state["broken"] = ILLEGAL_ADDRESS
+        raise CUDARuntimeError(ILLEGAL_ADDRESS, f"memset of {nbytes} bytes at 0x{ptr:x} faulted")
+    ctypes.memset(ptr, value, nbytes)
+
+
 def hostRegister(ptr: int, nbytes: int, flags: int) -> None:
     _check_context()
     _registered[ptr] = nbytes
