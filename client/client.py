@@ -29,7 +29,8 @@ from .copies import CopyUnit, build_page_tables, gather, scatter
 from .layout import KVLayout
 from .planner import Chunk
 from .cuda_staging import CudaCopier, CudaStagingBuffer, tables_device
-from .staging import ShmStagingBuffer, align
+from .handshake import handshake, handshake_path
+from .staging import MemfdStagingBuffer, align
 from .transport import DaemonError, DaemonUnavailable, Transport
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class KVTierClient:
                              f"{largest} bytes; allowed: >= {align(largest)}")
         self._token = token
         self._transport = Transport(address, timeout_s)
-        self._staging: ShmStagingBuffer | None = None
+        self._staging: MemfdStagingBuffer | Any = None  # or a CudaStagingBuffer
         self._limits: dict[str, int] = {}
         self.session_id: int | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-client")
@@ -162,27 +163,32 @@ class KVTierClient:
             return [False] * len(chunks)
 
     def _ensure_session(self) -> None:
+        """HELLO with a fresh staging buffer, handed over by the staging handshake first."""
         if self._staging is not None:
             return
         staging = (self._cuda.new_staging(self.staging_bytes) if self._cuda
-                   else ShmStagingBuffer(self.staging_bytes))
+                   else MemfdStagingBuffer(self.staging_bytes))
+        hello_sent = False
         try:
+            path = handshake_path(self._transport)
+            ticket, _ = handshake(path, staging.handshake_kind, staging.nbytes,
+                                  staging.fd, self._transport.timeout_s)
+            staging.release_fd()  # the daemon has mapped its own copy of the descriptor
+            hello_sent = True
             header, _ = self._transport.call(
                 Op.HELLO, namespace=self.namespace, rank=self.layout.rank,
-                fingerprint=self.layout.fingerprint, staging=staging.handle(), token=self._token,
-                client={"pid": os.getpid(), "library": "kvtier_client"})
-        except DaemonError:  # refused: the daemon holds no mapping of it, so it goes at once
-            if isinstance(staging, CudaStagingBuffer):
-                staging.free()  # not retired, as close() would
+                fingerprint=self.layout.fingerprint, staging=staging.handle(ticket),
+                token=self._token, client={"pid": os.getpid(), "library": "kvtier_client"})
+        except BaseException as exc:  # HandshakeError, DaemonUnavailable, DaemonError: no session
+            # Refused, or its handle never sent: the daemon holds no mapping of a device buffer,
+            # which goes at once. A HELLO left unanswered may still be mapped late: retired.
+            if isinstance(staging, CudaStagingBuffer) and (
+                    not hello_sent or isinstance(exc, DaemonError)):
+                staging.free()
             else:
                 staging.close()
             self._transport.reset()
             raise
-        except BaseException:
-            staging.close()  # unanswered: the daemon may map it late, so a device one is retired
-            self._transport.reset()
-            raise
-        staging.unlink()  # the daemon maps it now; nothing may outlive both processes
         self._staging = staging
         self._limits = header["limits"]
         self.session_id = header["session"]
