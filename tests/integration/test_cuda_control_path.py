@@ -25,6 +25,7 @@ from helpers.standin import use_standin_cupy
 from helpers.wait import wait_for
 from kvtier_client import KVTierClient
 from kvtier_client import client as client_module
+from kvtier_client.handshake import HandshakeError
 from kvtier_client.transport import DaemonError
 from kvtierd.cuda_health import EXIT_CUDA_CONTEXT_LOST
 from kvtierd.protocol import Op, Status
@@ -216,20 +217,53 @@ def standin_cupy_here(monkeypatch):
     assert standin.allocated_bytes() == before
 
 
-@pytest.mark.parametrize("daemon_env, token", [({}, ""), (standin_env(), "wrong")],
-                         ids=["daemon-without-cuda", "auth-failed"])
-def test_a_refused_hello_frees_the_device_staging_at_once(daemon_factory, standin_cupy_here,
-                                                          daemon_env, token):
-    daemon = daemon_factory(env={**daemon_env, "KVTIERD_AUTH_TOKEN": "right"} if token
-                            else daemon_env)
+REFUSALS = {  # daemon env, client token, what the client raises, its status name
+    "daemon-without-cuda": ({}, "", DaemonError, "BAD_HANDLE"),
+    "auth-failed": ({**standin_env(), "KVTIERD_AUTH_TOKEN": "right"}, "wrong", DaemonError,
+                    "AUTH_FAILED"),
+    "handshake-refused": ({**standin_env(), "KVTIERD_MAX_STAGING_BYTES": "4MiB"}, "",
+                          HandshakeError, "BAD_HANDLE"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_a_refused_hello_frees_the_device_staging_at_once(daemon_factory, standin_cupy_here, case):
+    env, token, error, name = REFUSALS[case]
+    daemon = daemon_factory(env=env)
     layout = simple_layout(page_bytes=4096, layers=2)
     kv = {n: torch.randint(0, 256, (16, 4096), dtype=torch.uint8) for n in
           layout.groups[0].layer_names}
     before = standin.allocated_bytes()
     for _ in range(3):  # the vLLM worker retries every retry_s: nothing may pile up
-        with pytest.raises(DaemonError) as err:
+        with pytest.raises(error) as err:
             KVTierClient.connect(daemon.address, layout=layout, kv_caches=kv,
                                  staging_bytes=8 << 20, token=token)
-        assert err.value.name == ("AUTH_FAILED" if token else "BAD_HANDLE"), err.value
+        assert name in str(err.value), err.value
         assert standin.allocated_bytes() == before, "staging buffer leaked on a refused HELLO"
     assert daemon.stats()["sessions"] == 0
+
+
+def test_a_refused_re_greeting_frees_its_new_staging_at_once(daemon_factory, standin_cupy_here):
+    """A live client whose daemon restarted (now with an auth token it lacks) greets it again on
+    its next call: that refused HELLO's buffer goes at once; only the old session's is retired."""
+    daemon = daemon_factory(env=standin_env())
+    layout = simple_layout(page_bytes=4096, layers=2)
+    kv = {n: torch.randint(0, 256, (16, 4096), dtype=torch.uint8) for n in
+          layout.groups[0].layer_names}
+    chunks = layout.plan(list(range(64)), [list(range(4))], trim_sliding_window=False)
+    before = standin.allocated_bytes()
+    client = KVTierClient.connect(daemon.address, layout=layout, kv_caches=kv,
+                                  staging_bytes=8 << 20)
+    try:
+        assert client.lookup(chunks) == [False] * len(chunks)
+        daemon.kill9()
+        daemon.env["KVTIERD_AUTH_TOKEN"] = "right"
+        daemon.restart()
+        with pytest.raises(DaemonError, match="AUTH_FAILED"):
+            client.lookup(chunks)
+        # the first session's buffer is retired (its daemon might have been copying), the
+        # refused one is not kept at all
+        assert standin.allocated_bytes() == before + (8 << 20)
+    finally:
+        client.close()
+    assert standin.allocated_bytes() == before
