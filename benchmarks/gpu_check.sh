@@ -7,8 +7,9 @@
 #   benchmarks/gpu_check.sh                  on the GPU machine (no network needed)
 #   benchmarks/gpu_check.sh --fetch-wheels   beforehand, where pip reaches an index: puts the
 #                                            wheels of kvtierd's pure dependencies and of pytest in
-#                                            .whl/ (for CPython 3.11-3.13; git-ignored); exits
-#                                            with pip's status
+#                                            .whl/ (for CPython 3.11-3.13; git-ignored, so a
+#                                            copy to the GPU machine must carry it); exits with
+#                                            pip's status
 #
 # Verdicts: exit 0 only if the GPU tests ran (none skipped) and passed, the CPU-side checks passed
 # and the benchmark ran with its load hits asserted; exit 3 with "no GPU: nothing verified" where
@@ -26,10 +27,6 @@ prometheus_client=prometheus-client==0.23.1 pytest=pytest==9.2.0 pytest_timeout=
 pluggy=pluggy==1.7.0 iniconfig=iniconfig==2.3.1 packaging=packaging==26.4 pygments=pygments==2.21.0"
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
-  exclude="$(git rev-parse --git-path info/exclude 2>/dev/null)"
-  if [ -n "$exclude" ] && ! grep -qx '/.whl/' "$exclude" 2>/dev/null; then
-    mkdir -p "$(dirname "$exclude")" && echo '/.whl/' >> "$exclude"
-  fi
   status=0
   for version in ${WHEEL_PYTHONS:-3.11 3.12 3.13}; do
     # shellcheck disable=SC2046 # one argument per distribution
