@@ -51,7 +51,7 @@ VERDICT=""    # set by the step that decides; empty: not finished
 EXIT_CODE=1
 STEP_S=0
 
-row() { ROWS+=("$1|$2|$3|$4"); }
+row() { ROWS+=("$1|$2|$3|${4//|//}"); }  # "|" separates the fields
 left() { echo $(( BUDGET_S - ($(date +%s) - STARTED) )); }
 
 summary() {
