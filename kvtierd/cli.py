@@ -114,7 +114,8 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvtierd.server.daemon import Daemon, StartupError
+    from kvtierd.cuda_health import EXIT_CUDA_CONTEXT_LOST, CudaContextLost
+    from kvtierd.server.daemon import AlreadyServing, Daemon, StartupError
     from kvtierd.tiers.arena import ArenaError
     from kvtierd.tiers.capacity import CapacityError
 
@@ -125,9 +126,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("configuration (value and source):\n  %s", "\n  ".join(loaded.lines()))
     try:
         Daemon(loaded.config).serve()
-    except (StartupError, CapacityError, ArenaError) as exc:
+    except (StartupError, CapacityError, ArenaError, AlreadyServing) as exc:
         log.error("%s", exc)
         return 1
+    except CudaContextLost as exc:  # systemd Restart=on-failure / Kubernetes restart it
+        logging.getLogger("kvtierd").critical("%s", exc)
+        return EXIT_CUDA_CONTEXT_LOST
     return 0
 
 
@@ -141,9 +145,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _daemon_socket(args: argparse.Namespace) -> str:
-    """The socket to ask: the configured one, else the first default candidate with a live
-    socket file. Fails at once, saying where it looked, when there is none (no reply timeout)."""
+def _daemon_socket(args: argparse.Namespace) -> tuple[str, Config]:
+    """The socket to ask (and the config): the configured one, else the first default candidate
+    with a live socket file. Fails at once, saying where it looked, when there is none (no reply
+    timeout)."""
     from kvtierd.paths import socket_candidates, unreachable_reason
 
     loaded = _resolve(args)
@@ -153,12 +158,12 @@ def _daemon_socket(args: argparse.Namespace) -> str:
         reason = unreachable_reason(loaded.config.socket)
         if reason is not None:
             raise DaemonNotFound(f"no kvtierd at {loaded.config.socket}: {reason}")
-        return loaded.config.socket
+        return loaded.config.socket, loaded.config
     looked = []
     for endpoint in socket_candidates():
         reason = unreachable_reason(endpoint)
         if reason is None:
-            return endpoint
+            return endpoint, loaded.config
         looked.append(reason)
     raise DaemonNotFound("no kvtierd found (give --socket or KVTIERD_SOCKET); looked for: "
                          + "; ".join(looked))
@@ -172,8 +177,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from kvtierd.control import call
     from kvtierd.protocol import Op
 
-    socket = _daemon_socket(args)
-    stats = call(socket, Op.STATS, timeout_s=args.timeout)["stats"]
+    socket, cfg = _daemon_socket(args)
+    stats = call(socket, Op.STATS, timeout_s=args.timeout, token=admin_token(cfg))["stats"]
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
     else:
@@ -181,11 +186,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def admin_token(cfg: Config) -> str:
+    """The token STATS/CHECK present: admin_token, else auth_token (config file or
+    KVTIERD_ADMIN_TOKEN / KVTIERD_AUTH_TOKEN), else none."""
+    return cfg.admin_token or cfg.auth_token
+
+
 def cmd_ping(args: argparse.Namespace) -> int:
     from kvtierd.control import call
     from kvtierd.protocol import Op
 
-    socket = _daemon_socket(args)
+    socket, _ = _daemon_socket(args)
     call(socket, Op.PING, timeout_s=args.timeout)
     print(f"kvtierd at {socket} is alive")
     return 0
@@ -206,6 +217,13 @@ def _ratio(hits: int, misses: int) -> str:
     return f"{hits / total:.1%}" if total else "-"
 
 
+def _connections_line(conns: dict[str, Any]) -> list[str]:
+    if not conns:
+        return []
+    full = ", socket hidden (max_connections reached)" if conns.get("hidden") else ""
+    return [f"connections {conns['open']} of {conns['max']}, {conns['refused']} refused{full}"]
+
+
 def format_stats(stats: dict[str, Any]) -> str:
     """A readable table of a daemon's STATS reply."""
     daemon = stats["daemon"]
@@ -215,6 +233,7 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"protocol {daemon['protocol']}, {stats['sessions']} session(s)",
         f"socket  {daemon['socket']}",
         f"metrics {daemon['metrics'] or 'off'}",
+        *_connections_line(stats.get("connections") or {}),
         "",
         f"{'tier':<6}{'capacity':>12}{'used':>12}{'used%':>8}{'chunks':>10}{'pending':>9}"
         f"{'evictions':>11}",

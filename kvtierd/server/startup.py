@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import socket as pysocket
 from pathlib import Path
 
 import zmq
@@ -19,6 +18,7 @@ import zmq
 from kvtierd.config import Config
 from kvtierd.paths import MAX_IPC_PATH_BYTES
 from kvtierd.server.handshake import HandshakeServer
+from kvtierd.server.socket_files import AlreadyServing, claim_ipc_path, prepare_socket_dir
 from kvtierd.tiers.arena import SHM_DIR, reclaim_stale_arenas
 from kvtierd.tiers.capacity import check_arena_fits
 
@@ -33,13 +33,10 @@ class StartupError(RuntimeError):
         self.key = key
 
 
-class AlreadyServing(StartupError):
-    pass
-
-
-def bind_router(cfg: Config) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
-    """The ROUTER socket bound to ``cfg.socket`` and its disconnect monitor; on any error nothing
-    stays open (so no context is left to hang in ``term()``) and StartupError names the key."""
+def bind_router(cfg: Config, monitor_events: int) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """The ROUTER socket bound to ``cfg.socket`` and its monitor (``monitor_events``); on any
+    error nothing stays open (so no context is left to hang in ``term()``) and StartupError
+    names the key."""
     path = cfg.ipc_path
     if path is not None:
         _prepare_ipc_path("socket", cfg.socket, path, cfg.socket_mode_bits)
@@ -51,7 +48,7 @@ def bind_router(cfg: Config) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
         sock.setsockopt(zmq.SNDHWM, 10000)
         sock.setsockopt(zmq.RCVHWM, 10000)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(monitor_events)
         sock.bind(cfg.socket)
         if path is not None:
             os.chmod(path, cfg.socket_mode_bits)
@@ -82,48 +79,17 @@ def _prepare_ipc_path(key: str, endpoint: str, path: Path, mode: int) -> None:
                            f"unix socket path holds at most {MAX_IPC_PATH_BYTES}: choose a "
                            "shorter one")
     try:
-        _prepare_socket_dir(path.parent, mode)
+        prepare_socket_dir(path.parent, mode)
     except OSError as exc:
         raise StartupError(key, endpoint, f"cannot create the directory {path.parent}: "
                            f"{exc.strerror}") from None
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise StartupError(key, endpoint, f"the directory {path.parent} is not writable "
                            "by this user (or is read-only)")
-    claim_ipc_path(path, key)
-
-
-def _prepare_socket_dir(directory: Path, mode: int) -> None:
-    """Create the socket directory (0700) and add the search bits ``mode`` needs (a socket's
-    group/other read-write bits are useless without search on its directory); never removes
-    bits from a directory that has them (e.g. /tmp or /run)."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    wanted = (0o010 if mode & 0o060 else 0) | (0o001 if mode & 0o006 else 0)
-    current = directory.stat().st_mode & 0o7777
-    if current & wanted == wanted:
-        return
     try:
-        os.chmod(directory, current | wanted)
-    except OSError as exc:
-        log.warning("cannot add search bits %o to socket directory %s (%s): other users may not "
-                    "reach the sockets", wanted, directory, exc.strerror)
-
-
-def claim_ipc_path(path: Path, key: str = "socket") -> None:
-    """Remove a stale socket file left by a dead daemon; refuse to steal a live one."""
-    if not path.exists() and not path.is_symlink():
-        return
-    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except ConnectionRefusedError:
-        path.unlink(missing_ok=True)
-        return
-    except OSError as exc:
-        raise AlreadyServing(key, str(path),
-                             f"the path exists and is not a usable socket: {exc}") from None
-    finally:
-        probe.close()
-    raise AlreadyServing(key, str(path), f"another kvtierd is already serving at {path}")
+        claim_ipc_path(path)  # a dead daemon's file is removed, a live one's never stolen
+    except AlreadyServing as exc:
+        raise StartupError(key, endpoint, str(exc)) from None
 
 
 def serve_metrics(metrics, addr: str) -> str:
