@@ -70,6 +70,12 @@ def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
 
 
+def hidden_socket_path(path: Path) -> Path:
+    """Where a daemon at its connection limit parks its socket file (kvtierd.server.connections:
+    new connects fail with ENOENT and ZeroMQ retries them until the name comes back)."""
+    return path.with_name(f".{path.name}.full")
+
+
 def is_socket_file(path: Path) -> bool:
     try:
         return stat.S_ISSOCK(path.stat().st_mode)
@@ -99,6 +105,8 @@ def unreachable_reason(endpoint: str) -> str | None:
     if path is None:
         return None
     if not path.exists():
+        if is_socket_file(hidden_socket_path(path)):
+            return None  # a daemon at its connection limit: ZeroMQ retries until it has room
         return f"no socket at {path}"
     if not is_socket_file(path):
         return f"{path} is not a socket"

@@ -50,7 +50,13 @@ from kvtierd.server.movement import TierMover
 from kvtierd.server.probes import ProbeSchedule
 from kvtierd.server.sessions import SessionTable
 from kvtierd.server.socket_files import AlreadyServing  # noqa: F401 (the CLI's import)
-from kvtierd.server.startup import bind_handshake, bind_router, prepare_arena_room, serve_metrics
+from kvtierd.server.startup import (  # noqa: F401 (StartupError: the CLI's import)
+    StartupError,
+    bind_handshake,
+    bind_router,
+    prepare_arena_room,
+    serve_metrics,
+)
 from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
 from kvtierd.tiers.arena import SHM_DIR, Arena
@@ -197,8 +203,9 @@ class Daemon:
         fault_file = Path(cfg.nvme_fault_file) if cfg.nvme_fault_file else None
         if fault_file is not None:
             log.warning("NVMe fault injection is ON (%s): a test setting", fault_file)
-        return NvmeTier(Path(cfg.nvme_dir), cfg.nvme_bytes, cfg.page_bytes,
-                        policy=cfg.eviction_policy, fault_file=fault_file)
+        return NvmeTier(cfg.resolved_nvme_dir(), cfg.nvme_bytes, cfg.page_bytes,
+                        policy=cfg.eviction_policy, fault_file=fault_file,
+                        instance=cfg.instance_id)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:

@@ -51,3 +51,17 @@ def test_unreachable_reasons(tmp_path):
     (tmp_path / "file").write_text("x")
     assert "is not a socket" in paths.unreachable_reason(f"ipc://{tmp_path / 'file'}")
     assert paths.unreachable_reason("tcp://127.0.0.1:1") is None  # only a request can tell
+
+
+def test_a_socket_hidden_at_the_connection_limit_is_not_reported_missing(tmp_path):
+    from kvtierd.server.connections import ConnectionGuard
+
+    path = tmp_path / "kvtierd.sock"
+    assert paths.hidden_socket_path(path) == ConnectionGuard.hidden_path(path)  # one name
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(paths.hidden_socket_path(path)))
+    listener.listen(1)
+    try:
+        assert paths.unreachable_reason(f"ipc://{path}") is None
+    finally:
+        listener.close()
