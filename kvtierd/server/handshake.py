@@ -4,7 +4,8 @@ staging memfd (the wire format is in ``kvtierd.protocol``'s docstring).
 It runs on a thread of its own with non-blocking connections in one selector, so nothing a client
 does here reaches the request loop: a connection that sends nothing is closed at its deadline
 (``DEADLINE_S``), garbage or more than ``MAX_HANDSHAKE_BYTES`` is answered and closed at once, at
-most ``MAX_CONNECTIONS`` handshakes are open together (more are answered BUSY and closed), and at
+most ``MAX_CONNECTIONS`` handshakes are open together and ``MAX_CONNECTIONS_PER_UID`` of one user
+(more are answered BUSY and closed), and at
 most one descriptor is taken from a message (the control buffer has room for ``MAX_FDS``; every
 descriptor received is closed once the handshake ends, a mapped memfd stays alive through its
 mapping). Credentials come from SO_PEERCRED of the connection, never from the message.
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 DEADLINE_S = 2.0  # a handshake must be complete this long after connect
 MAX_CONNECTIONS = 64  # handshakes in progress at once
+MAX_CONNECTIONS_PER_UID = 16  # ... of one user: one user's silent connections cannot lock others out
 BACKLOG = 256  # connections the kernel queues before the thread accepts them
 DRAIN_BYTES = 256 * 1024  # unread input discarded before a close, so that the answer arrives
 MAX_FDS = 4  # control-buffer room: more than one fd is refused, more than this is truncated
@@ -165,7 +167,15 @@ class HandshakeServer:
                                             f"(the limit is {MAX_CONNECTIONS}); retry shortly"))
                 self.counts["refused"] += 1
                 continue
-            conn = _Conn(sock, peer_of(sock), time.monotonic() + DEADLINE_S)
+            peer = peer_of(sock)
+            mine = sum(1 for c in conns.values() if c.peer.uid == peer.uid)
+            if mine >= MAX_CONNECTIONS_PER_UID:
+                _send_and_close(sock, reply(Status.BUSY, f"{mine} handshakes of uid {peer.uid} in "
+                                            f"progress (the limit per user is "
+                                            f"{MAX_CONNECTIONS_PER_UID}); retry shortly"))
+                self.counts["refused"] += 1
+                continue
+            conn = _Conn(sock, peer, time.monotonic() + DEADLINE_S)
             conns[sock.fileno()] = conn
             sel.register(sock, selectors.EVENT_READ, conn)
 

@@ -310,12 +310,12 @@ def test_silent_handshakes_block_nobody_and_are_closed(shared, memfd):
         path = handshake_path(shared.address)
         silent = []
         try:
-            for _ in range(70):  # more than the 64 handshakes the daemon holds open at once
+            for _ in range(20):  # more than the 16 handshakes one user may hold open at once
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 connect(sock, path, 10)
                 silent.append(sock)
             busy = msgpack.unpackb(silent[-1].recv(4096), raw=False)
-            assert busy["name"] == "BUSY" and "limit is 64" in busy["message"], busy
+            assert busy["name"] == "BUSY" and "limit per user is 16" in busy["message"], busy
             # the request loop is not blocked meanwhile
             raw = RawClient(shared.address, timeout_s=2)
             try:
