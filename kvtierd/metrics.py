@@ -102,6 +102,10 @@ class DaemonMetrics:
         self.sessions_closed = Counter(
             "kvtierd_sessions_closed", "Client sessions ended, by reason", ["reason"], registry=r
         )
+        self.handshakes = Counter(
+            "kvtierd_handshakes", "Staging handshakes answered, by kind and status",
+            ["kind", "status"], registry=r,
+        )
         self.info = Gauge(
             "kvtierd_info", "Daemon build information", ["version", "protocol"], registry=r
         )

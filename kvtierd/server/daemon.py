@@ -122,7 +122,7 @@ class Daemon:
         self.handshake = HandshakeServer(
             cfg.handshake_path, cfg.socket_mode_bits, self.tickets,
             lambda fd, nbytes: MemfdStaging(fd, nbytes, cfg.max_staging_bytes, self.arena.inode),
-            cfg.max_staging_bytes)
+            cfg.max_staging_bytes, self.metrics.handshakes)
         self.handlers.handshake_stats = self.handshake.counts
         self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
         self._ready_sent = False

@@ -79,13 +79,15 @@ def reply(status: Status, message: str = "", ticket: bytes = b"", expires_s: flo
 
 class HandshakeServer:
     def __init__(self, path: Path, mode: int, tickets: TicketBook, open_memfd: OpenMemfd,
-                 max_staging_bytes: int) -> None:
+                 max_staging_bytes: int, counter: Any = None) -> None:
+        """``counter``: a prometheus Counter labelled (kind, status), or None."""
         self.path = path
         self.mode = mode
         self.tickets = tickets
         self.open_memfd = open_memfd
         self.max_staging_bytes = max_staging_bytes
         self.counts = {"ok": 0, "refused": 0}  # read by STATS (ints: torn reads are harmless)
+        self._counter = counter
         self._listener: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = threading.Event()
@@ -142,6 +144,7 @@ class HandshakeServer:
                         self._readable(sel, conns, key.data)
                 now = time.monotonic()
                 for conn in [c for c in conns.values() if c.deadline <= now]:
+                    self._count("invalid", Status.BAD_MESSAGE)
                     self._finish(sel, conns, conn, reply(
                         Status.BAD_MESSAGE, f"no complete handshake within {DEADLINE_S:g} s"))
         except Exception:  # a bug here must not leave clients hanging silently: log it loudly
@@ -165,7 +168,7 @@ class HandshakeServer:
             if len(conns) >= MAX_CONNECTIONS:
                 _send_and_close(sock, reply(Status.BUSY, f"{len(conns)} handshakes in progress "
                                             f"(the limit is {MAX_CONNECTIONS}); retry shortly"))
-                self.counts["refused"] += 1
+                self._count("invalid", Status.BUSY)
                 continue
             peer = peer_of(sock)
             mine = sum(1 for c in conns.values() if c.peer.uid == peer.uid)
@@ -173,7 +176,7 @@ class HandshakeServer:
                 _send_and_close(sock, reply(Status.BUSY, f"{mine} handshakes of uid {peer.uid} in "
                                             f"progress (the limit per user is "
                                             f"{MAX_CONNECTIONS_PER_UID}); retry shortly"))
-                self.counts["refused"] += 1
+                self._count("invalid", Status.BUSY)
                 continue
             conn = _Conn(sock, peer, time.monotonic() + DEADLINE_S)
             conns[sock.fileno()] = conn
@@ -192,6 +195,7 @@ class HandshakeServer:
         conn.truncated |= bool(flags & socket.MSG_CTRUNC)
         conn.data += data
         if len(conn.data) > MAX_HANDSHAKE_BYTES:
+            self._count("invalid", Status.TOO_LARGE)
             self._finish(sel, conns, conn, reply(
                 Status.TOO_LARGE, f"handshake message is over {MAX_HANDSHAKE_BYTES} bytes; "
                 f"allowed: one msgpack map of at most {MAX_HANDSHAKE_BYTES} bytes"))
@@ -206,6 +210,7 @@ class HandshakeServer:
                 self._finish(sel, conns, conn, None, "closed before a whole message")
             return
         except Exception as exc:  # msgpack raises several unrelated types for bad input
+            self._count("invalid", Status.BAD_MESSAGE)
             self._finish(sel, conns, conn, reply(
                 Status.BAD_MESSAGE, f"handshake is not valid msgpack: {exc}"))
             return
@@ -222,17 +227,22 @@ class HandshakeServer:
                     staging.close()
                 raise
         except ProtocolError as exc:
-            self.counts["refused"] += 1
+            self._count(_kind_label(message), exc.status)
             log.info("staging handshake of %s refused: %s: %s", conn.peer.describe(),
                      exc.status.name, exc.message)
             return reply(exc.status, exc.message)
         except Exception as exc:
-            self.counts["refused"] += 1
+            self._count(_kind_label(message), Status.INTERNAL)
             log.exception("staging handshake of %s failed", conn.peer.describe())
             return reply(Status.INTERNAL, f"internal error: {exc}")
-        self.counts["ok"] += 1
+        self._count(kind, Status.OK)
         log.debug("staging handshake of %s: %s, %d bytes", conn.peer.describe(), kind, nbytes)
         return reply(Status.OK, ticket=ticket, expires_s=self.tickets.ttl_s)
+
+    def _count(self, kind: str, status: Status) -> None:
+        self.counts["ok" if status is Status.OK else "refused"] += 1
+        if self._counter is not None:
+            self._counter.labels(kind, status.name).inc()
 
     def _check(self, conn: _Conn, message: Any) -> tuple[str, int]:
         if not isinstance(message, dict):
@@ -273,6 +283,12 @@ class HandshakeServer:
             conn.sock.close()
         else:
             _send_and_close(conn.sock, answer)
+
+
+def _kind_label(message: Any) -> str:
+    """A bounded metrics label: the handshake's kind when it is a known one."""
+    kind = message.get("kind") if isinstance(message, dict) else None
+    return kind if kind in STAGING_KINDS else "invalid"
 
 
 def _send_and_close(sock: socket.socket, data: bytes) -> None:

@@ -290,9 +290,17 @@ def test_ticket_of_another_kind_and_unknown_tickets_are_refused(shared, memfd):
 ], ids=["reserved-byte", "list", "text", "oversized"])
 def test_handshake_garbage_is_answered_and_closed(shared, memfd, data, status, fragment):
     with bystander(shared, memfd):
+        before = _handshake_count(shared, "invalid", status)
         answer = send_handshake(handshake_path(shared.address), data)
         assert answer["name"] == status and fragment in answer["message"], answer
         assert handshake(handshake_path(shared.address), "inline")["name"] == "OK"
+        assert _handshake_count(shared, "invalid", status) == before + 1
+
+
+def _handshake_count(d: DaemonProcess, kind: str, status: str) -> float:
+    wanted = f'kvtierd_handshakes_total{{kind="{kind}",status="{status}"}} '
+    lines = [line for line in d.metrics_text().splitlines() if line.startswith(wanted)]
+    return float(lines[0].split()[-1]) if lines else 0.0
 
 
 def test_huge_handshake_stream_is_cut_off(shared, memfd):
