@@ -31,6 +31,7 @@ from helpers.kv import (
 )
 
 from kvtier_client import KVTierClient
+from kvtier_client.index import KVTierIndex
 from kvtierd.control import call
 from kvtierd.protocol import Op
 
@@ -228,3 +229,13 @@ def test_tcp_daemon_names_its_handshake_socket_in_ping(tmp_path):
         d.stop_and_verify()
         d.remove_nvme_data()
     assert not hs.exists(), "the handshake socket outlived the daemon"
+
+
+def test_scheduler_index_session_carries_the_same_credentials(daemon):
+    index = KVTierIndex(daemon.address, namespace="idx", rank=0, fingerprint="fp-idx")
+    try:
+        assert index.lookup([b"nothing"]) == [0]
+    finally:
+        index.close()
+    me = f"peer uid {os.getuid()} gid {os.getgid()} pid {os.getpid()}"
+    assert f"namespace idx rank 0 staging inline {me}" in daemon.log(), daemon.log()
