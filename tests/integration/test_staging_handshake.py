@@ -5,6 +5,8 @@ byte-exact, and no descriptor a client sent stays open in the daemon."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import fcntl
 import os
 import secrets
@@ -37,6 +39,9 @@ pytestmark = pytest.mark.timeout(90)
 
 MiB = 1024**2
 SHRINK, GROW, SEAL = 0x2, 0x4, 0x1
+KEEP_SIZE, PUNCH_HOLE = 0x1, 0x2  # FALLOC_FL_*
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
 
 
 def daemon_fds(d: DaemonProcess) -> int:
@@ -364,3 +369,30 @@ def test_one_silent_handshake_does_not_delay_another(shared, memfd):
                 assert names(reply["results"]) == ["OK"] and buf.read(4096, 8192) == data
             finally:
                 raw.close()
+
+
+def test_hole_punched_after_the_handshake_does_not_fault_the_daemon(daemon_factory):
+    # Seals against shrinking and growing do not stop FALLOC_FL_PUNCH_HOLE: the daemon's next
+    # touch of those pages gets fresh zero pages (charged to the daemon: README, "Staging
+    # handshake"), never a SIGBUS, and the buffer keeps working.
+    d = daemon_factory()
+    buf = MemfdBuffer(4 * MiB)
+    raw = RawClient(d.address)
+    try:
+        assert hello(raw, buf.hello_staging(d.address))["name"] == "OK"
+        data = os.urandom(MiB)
+        buf.write(0, data)
+        reply, _ = raw.request(Op.PUT, items=[[b"before", 0, MiB]])
+        assert names(reply["results"]) == ["OK"]
+        assert _libc.fallocate(buf.fd, PUNCH_HOLE | KEEP_SIZE, 0, 4 * MiB) == 0, "punch hole"
+        assert os.lseek(buf.fd, 0, os.SEEK_HOLE) == 0
+        reply, _ = raw.request(Op.PUT, items=[[b"from-hole", MiB, MiB]])
+        assert names(reply["results"]) == ["OK"]
+        reply, _ = raw.request(Op.GET, items=[[b"before", 2 * MiB, MiB], [b"from-hole", 0, MiB]])
+        assert names(reply["results"]) == ["OK", "OK"]
+        assert buf.read(2 * MiB, MiB) == data and buf.read(0, MiB) == bytes(MiB)
+        assert d.alive()
+        d.check()
+    finally:
+        raw.close()
+        buf.close()
