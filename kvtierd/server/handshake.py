@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 DEADLINE_S = 2.0  # a handshake must be complete this long after connect
 MAX_CONNECTIONS = 64  # handshakes in progress at once
-MAX_CONNECTIONS_PER_UID = 16  # ... of one user: one user's silent connections cannot lock others out
+MAX_CONNECTIONS_PER_UID = 16  # ... of one user: its silent connections cannot lock others out
 BACKLOG = 256  # connections the kernel queues before the thread accepts them
 DRAIN_BYTES = 256 * 1024  # unread input discarded before a close, so that the answer arrives
 MAX_FDS = 4  # control-buffer room: more than one fd is refused, more than this is truncated

@@ -90,7 +90,7 @@ def test_truncating_sealed_staging_fails_and_48mib_put_get_stay_byte_exact(daemo
         buf.close()
 
 
-# -- memfds the daemon must not map ------------------------------------------------------------------
+# -- memfds the daemon must not map ----------------------------------------------------------------
 def _bad_fd_case(case: str, d: DaemonProcess, tmp_path: Path, opened: list):
     """(message, fds, fragments of the refusal) for one untrustworthy staging descriptor."""
     def memfd(nbytes: int = 64 * 1024, **options) -> MemfdBuffer:
@@ -231,7 +231,7 @@ def test_hello_v1_with_shm_staging_is_unsupported_version_naming_2(shared, memfd
             raw.close()
 
 
-# -- tickets -----------------------------------------------------------------------------------------
+# -- tickets ---------------------------------------------------------------------------------------
 def test_ticket_is_one_time(shared, memfd):
     with bystander(shared, memfd):
         buf = memfd(64 * 1024)
@@ -286,7 +286,7 @@ def test_ticket_of_another_kind_and_unknown_tickets_are_refused(shared, memfd):
             raw.close()
 
 
-# -- handshake garbage -------------------------------------------------------------------------------
+# -- handshake garbage -----------------------------------------------------------------------------
 @pytest.mark.parametrize("data,status,fragment", [
     (b"\xc1not msgpack", "BAD_MESSAGE", "not valid msgpack"),
     (packed([1, 2, 3]), "BAD_MESSAGE", "must be a msgpack map, got list"),
