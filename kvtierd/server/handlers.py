@@ -6,7 +6,6 @@ raises ``ProtocolError`` for a request refused as a whole.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import time
@@ -27,6 +26,7 @@ from kvtierd.protocol import (
 )
 from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
+from kvtierd.server.admission import token_matches
 from kvtierd.server.movement import TierMover
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.server.tickets import TicketBook
@@ -58,15 +58,12 @@ class OpHandlers:
         self.started_at = time.time()
         self.metrics_address: str = ""
         self.pinning: Callable[[], dict] | None = None  # the arena's CUDA pinning progress
+        self.connections: Callable[[], dict] | None = None  # the connection guard's counts
 
     # -- session ---------------------------------------------------------------------------------
     def hello(self, identity: bytes, header: dict, frames: list) -> dict:
-        if self.cfg.auth_token:
-            token = header.get("token")
-            if not isinstance(token, str) or not hmac.compare_digest(
-                token.encode("utf-8", "surrogatepass"), self.cfg.auth_token.encode("utf-8")
-            ):
-                raise ProtocolError(Status.AUTH_FAILED, "HELLO token missing or wrong")
+        if self.cfg.auth_token and not token_matches(header.get("token"), self.cfg.auth_token):
+            raise ProtocolError(Status.AUTH_FAILED, "HELLO token missing or wrong")
         namespace = requests.field(header, "namespace", str, "a non-empty string")
         if not 0 < len(namespace) <= 256:
             raise ProtocolError(Status.BAD_REQUEST, "namespace must have 1..256 characters")
@@ -103,6 +100,8 @@ class OpHandlers:
             "max_inline_bytes": self.cfg.max_inline_bytes,
             "max_frame_bytes": self.cfg.max_frame_bytes,
             "max_staging_bytes": self.cfg.max_staging_bytes,
+            "max_inline_reply_bytes": self.cfg.max_inline_reply_bytes,
+            "max_in_flight_requests": self.cfg.max_in_flight_requests,
         }
 
     def _open_staging(self, spec: dict) -> tuple[MemfdStaging | CudaIpcStaging | None,
@@ -190,6 +189,7 @@ class OpHandlers:
                 },
                 "tiers": dict(self.mover.tier_stats()),
                 "sessions": len(self.sessions),
+                "connections": self.connections() if self.connections else {},
                 "handshake": {"socket": str(self.cfg.handshake_path), "tickets": len(self.tickets),
                               **self.handshake_stats},
                 "counts": dict(self.accounting.counts),
