@@ -60,6 +60,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvtierd.cuda_health import EXIT_CUDA_CONTEXT_LOST, CudaContextLost
     from kvtierd.server.daemon import AlreadyServing, Daemon
 
     cfg = _load(args)
@@ -69,6 +70,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except AlreadyServing as exc:
         logging.getLogger("kvtierd").error("%s", exc)
         return 1
+    except CudaContextLost as exc:  # systemd Restart=on-failure / Kubernetes restart it
+        logging.getLogger("kvtierd").critical("%s", exc)
+        return EXIT_CUDA_CONTEXT_LOST
     return 0
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import zmq
 
-from kvtierd import __version__
+from kvtierd import __version__, cuda_health
 from kvtierd.config import Config
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.ghost import GhostCaches, GhostCollector
@@ -204,6 +204,12 @@ class Daemon:
             self._loop()
         finally:
             self._shutdown()
+        lost = cuda_health.lost()
+        if lost:
+            raise cuda_health.CudaContextLost(
+                "CUDA context lost on " + ", ".join(f"device {d} ({why})" for d, why in
+                                                   sorted(lost.items()))
+                + "; exiting for the supervisor to restart kvtierd with a fresh context")
 
     def _announce_when_pinned(self) -> None:
         """systemd READY=1 once the arena is pinned (or pinning is off/impossible): requests are
@@ -264,6 +270,9 @@ class Daemon:
             if self.socket in events:
                 self._drain_requests()
             self.mover.flush()  # writes and deletes queued by what was just handled
+            if cuda_health.any_lost():  # a sticky CUDA error: stop serving, exit for a restart
+                self._stop.set()
+                break
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + TICK_S

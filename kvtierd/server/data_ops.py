@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from kvtierd.config import Config
 from kvtierd.copy import memcpy
+from kvtierd.cuda_health import CudaContextLost
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
@@ -375,12 +376,15 @@ class DataOps:
     def on_copy_done(self, context: tuple[Batch, list], result: Any, error: BaseException | None):
         batch, bucket = context
         session = batch.session
-        if error is not None:
+        if isinstance(error, CudaContextLost):  # logged once, as CRITICAL, by cuda_health
+            log.error("copy for %s batch of session %d failed: %s", batch.op.name, session.id,
+                      error)
+        elif error is not None:
             log.error("copy for %s batch of session %d failed", batch.op.name, session.id,
                       exc_info=error)
         for pos, (index, entry, _) in enumerate(bucket):
             if batch.op is Op.PUT:
-                self._finish_put_item(batch, index, entry, None if error else result[pos])
+                self._finish_put_item(batch, index, entry, None if error else result[pos], error)
             else:
                 corrupt = error is None and pos in result
                 self._finish_get_item(batch, index, entry, error, corrupt)
@@ -398,11 +402,14 @@ class DataOps:
             batch.deferred = False
             self.finish(batch, self._reply_if_done(batch))
 
-    def _finish_put_item(self, batch: Batch, index: int, entry: ChunkEntry, digest) -> None:
+    def _finish_put_item(self, batch: Batch, index: int, entry: ChunkEntry, digest,
+                         error: BaseException | None = None) -> None:
         batch.session.pending.discard(entry)
         if digest is None or batch.session.closed:
             self.tier.abort(entry)
-            if digest is None:
+            if isinstance(error, CudaContextLost):
+                self._fail(batch, index, Status.SHUTTING_DOWN, str(error))
+            elif digest is None:
                 self._fail(batch, index, Status.INTERNAL, "copy into the CPU tier failed")
             else:
                 self._fail(batch, index, Status.NO_SESSION,
@@ -428,6 +435,8 @@ class DataOps:
             if self.tier.index.get(entry.ikey) is entry:
                 self.tier.delete(entry.ikey)
             self._fail(batch, index, Status.CHECKSUM_MISMATCH, "stored bytes failed their check")
+        elif isinstance(error, CudaContextLost):
+            self._fail(batch, index, Status.SHUTTING_DOWN, str(error))
         else:
             self._fail(batch, index, Status.INTERNAL, "copy out of the CPU tier failed")
 

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Callable
 
-from kvtierd import __version__, staging_cuda
+from kvtierd import __version__, cuda_health, staging_cuda
 from kvtierd.config import Config
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
@@ -76,8 +76,13 @@ class OpHandlers:
         staging_spec = requests.field(header, "staging", dict, "a staging handle map")
         staging, peer = self._open_staging(staging_spec)
         client = header.get("client") if isinstance(header.get("client"), dict) else {}
-        session = Session(identity, namespace, rank, fingerprint, staging, client, peer=peer)
-        self.sessions.add(session)
+        try:
+            session = Session(identity, namespace, rank, fingerprint, staging, client, peer=peer)
+            self.sessions.add(session)
+        except BaseException:  # a refused HELLO keeps no mapping: the client frees its buffer
+            if staging is not None:
+                staging.close()
+            raise
         self.metrics.sessions.set(len(self.sessions))
         log.info(
             "session %d: namespace %s rank %d staging %s peer %s", session.id, namespace, rank,
@@ -195,7 +200,9 @@ class OpHandlers:
                 "counts": dict(self.accounting.counts),
                 "ghosts": self.ghosts.stats(),
                 "cuda": {"pinning": self.pinning() if self.pinning else None,
-                         **staging_cuda.stats()},
+                         **staging_cuda.stats(),
+                         # devices whose context hit a sticky error (the daemon is exiting)
+                         "lost": {str(d): why for d, why in cuda_health.lost().items()}},
             }
         }
 

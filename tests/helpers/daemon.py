@@ -35,6 +35,7 @@ class DaemonProcess:
 
     def start(self, timeout_s: float = 30.0, wait: bool = True) -> None:
         """Start the daemon; with ``wait``, return once it answers a PING."""
+        self.token = admin_token(self.flags, self.env)  # a restart may run with another env
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtierd", "serve", *self.flags],
