@@ -8,33 +8,35 @@ the end-to-end tests (test_offloading_spec, test_hybrid_models) run the same cod
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
 
-vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
+with warnings.catch_warnings():  # vLLM's imports warn (torch.jit deprecations); not ours
+    warnings.simplefilter("ignore")
+    vllm_kv = pytest.importorskip("vllm.v1.kv_cache_interface")
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
 
-from vllm.v1.kv_offload.base import (  # noqa: E402
-    CanonicalKVCacheRef,
-    CanonicalKVCaches,
-    CanonicalKVCacheTensor,
-    GPULoadStoreSpec,
-)
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
-
-from kvtier_client import KVTierClient  # noqa: E402
-from kvtier_client.vllm.geometry import check_windows, vllm_window_chunks, worker_layout  # noqa: E402
-from kvtier_client.vllm.manager import KVTierLoadStoreSpec  # noqa: E402
-from kvtier_client.vllm.settings import KVTierSettings  # noqa: E402
-from kvtier_client.vllm.spec import check_vllm_version  # noqa: E402
-from kvtier_client.vllm.specs import translate  # noqa: E402
-from kvtier_client.vllm.worker import KVTierOffloadingWorker  # noqa: E402
+    from kvtier_client.vllm.geometry import check_windows, vllm_window_chunks, worker_layout
+    from kvtier_client.vllm.manager import KVTierLoadStoreSpec
+    from kvtier_client.vllm.settings import KVTierSettings
+    from kvtier_client.vllm.spec import check_vllm_version
+    from kvtier_client.vllm.specs import translate
+    from kvtier_client.vllm.worker import KVTierOffloadingWorker
+    import vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler  # noqa: F401
 
 pytestmark = pytest.mark.vllm
 BF16 = torch.bfloat16
