@@ -49,10 +49,18 @@ def job_chunks(layout: KVLayout, keys: Sequence[bytes], block_ids: Sequence[int]
 
 
 def neighbour_keys(chunks: list[Chunk]) -> list[Chunk]:
-    """Test-only: each chunk takes the key of the next chunk of its group (the last, the previous)."""
+    """Test-only: each chunk takes the key of the next chunk of its group (the last, the previous).
+
+    A group's only chunk in the job (a recurrent state keeps one) takes the key of the chunk at the
+    same place in the next group with the same payload size, so that a hybrid model's negative
+    control corrupts its state groups too, not only its attention.
+    """
     out = []
     for i, chunk in enumerate(chunks):
         same = [j for j in (i + 1, i - 1) if 0 <= j < len(chunks) and chunks[j].group == chunk.group]
+        if not same:
+            same = [j for j, other in enumerate(chunks) if other.group != chunk.group
+                    and other.nbytes == chunk.nbytes and other.token_end == chunk.token_end]
         key = chunks[same[0]].key if same else chunk.key
         out.append(Chunk(key, chunk.group, chunk.block_ids, chunk.token_start, chunk.token_end,
                          chunk.nbytes))
