@@ -7,7 +7,7 @@ state, and its imports warn (the suite turns warnings into errors). Usage::
 
 SPEC: ``model_dir``, ``kind`` (the tiny model to generate there if absent), ``address``,
 ``layout_dir``, ``prompts`` (token id lists), ``max_tokens``, ``rounds`` (each ``{"name", "env"}``,
-every round after the first starts with ``reset_prefix_cache()``), optional ``extra_config``
+every round after the first starts with ``reset_prefix_cache()`` unless it says ``"reset": false``), optional ``extra_config``
 (replaces ``blocks_per_chunk``), ``connector`` (replaces ``"kv_connector": "OffloadingConnector"``),
 ``engine`` (more ``LLM`` arguments, e.g. ``mamba_cache_mode``). OUT: per round the tokens, logprobs and prefix-cache counter deltas,
 the layouts the workers published, or ``refused`` with the error if the engine did not start.
@@ -107,7 +107,7 @@ def main(spec_path: str, out_path: str) -> None:
     for i, round_ in enumerate(spec["rounds"]):
         os.environ.pop("KVTIER_TEST_LOAD_NEIGHBOUR_CHUNK", None)
         os.environ.update(round_.get("env", {}))
-        if i:
+        if i and round_.get("reset", True):
             llm.reset_prefix_cache()
         before = counters(llm)
         t0 = time.monotonic()
