@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from .planner import Chunk, plan
+from .planner import Chunk, plan, window_chunks
 
 # Version of the fingerprint encoding; bump it when the encoded fields change.
 FINGERPRINT_FORMAT = 1
 
-#: Every group kind kvtierd can plan, with vLLM's names. `mamba` is every recurrent-state kind (Mamba,
-#: Mamba2, GDN / linear attention): its block is the state at the block's end.
+#: Every group kind kvtierd can plan, with vLLM's names. `mamba` is every recurrent-state kind
+#: (Mamba, Mamba2, GDN / linear attention): its block is the state at the block's end.
 KIND_NAMES = ("full_attention", "sliding_window", "chunked_local_attention", "mla", "mla_indexer",
               "mamba")
 #: Kinds whose `sliding_window` is required: the window in tokens, or the attention chunk size.
@@ -63,7 +63,8 @@ class KVGroup:
     # layer, or one int per entry of layer_names when the group's layers have different page sizes
     page_bytes: int | tuple[int, ...]
     layer_names: tuple[str, ...]  # the group's layers, in payload order ([layer][block][page])
-    # sliding_window: the window in tokens; chunked_local_attention: the attention chunk size; else None
+    # kind sliding_window: the window in tokens; chunked_local_attention: the attention chunk size
+    # (vLLM's attention_chunk_size); None for every other kind
     sliding_window: int | None = None
     kind: str = "full_attention"  # one of KIND_NAMES; "sliding_window" when only a window is set
 
@@ -71,7 +72,8 @@ class KVGroup:
         first = self.layer_names[0] if isinstance(self.layer_names, Sequence) and self.layer_names else None
         who = f"KVGroup(layer_names[0]={first!r})"
         if not _is_pos_int(self.tokens_per_block):
-            raise ValueError(f"{who}: tokens_per_block={self.tokens_per_block!r}; allowed: a positive int")
+            raise ValueError(f"{who}: tokens_per_block={self.tokens_per_block!r}; "
+                             "allowed: a positive int")
         if isinstance(self.layer_names, str) or not isinstance(self.layer_names, Sequence):
             raise ValueError(f"{who}: layer_names={self.layer_names!r}; allowed: a sequence of names")
         names = tuple(self.layer_names)
@@ -86,15 +88,15 @@ class KVGroup:
 
     def _checked_page_bytes(self, who: str, num_layers: int) -> int | tuple[int, ...]:
         pb = self.page_bytes
-        if isinstance(pb, Sequence) and not isinstance(pb, str):
+        if isinstance(pb, (tuple, list)):  # not any Sequence: bytes would pass as small ints
             pages = tuple(pb)
             if len(pages) == num_layers and all(_is_pos_int(p) for p in pages):
                 return pages  # kept as given, even when all equal: to_dict gives back what came in
             raise ValueError(f"{who}: page_bytes={list(pages)!r}; allowed: a positive int, or one "
                              f"positive int per layer ({num_layers} layers)")
         if not _is_pos_int(pb):
-            raise ValueError(f"{who}: page_bytes={pb!r}; allowed: a positive int, or one positive int "
-                             f"per layer ({num_layers} layers)")
+            raise ValueError(f"{who}: page_bytes={pb!r}; allowed: a positive int, or one positive "
+                             f"int per layer ({num_layers} layers)")
         return pb
 
     def _check_kind(self, who: str) -> None:
@@ -106,7 +108,7 @@ class KVGroup:
             # A full-attention group with a window is a contradiction; the default kind means "unset".
             if self.kind == "full_attention":
                 object.__setattr__(self, "kind", "sliding_window")
-        if self.kind in _REFUSED_KINDS:
+        if isinstance(self.kind, str) and self.kind in _REFUSED_KINDS:
             raise ValueError(f"{who}: kind={self.kind!r} cannot be offloaded: "
                              f"{_REFUSED_KINDS[self.kind]}; allowed: one of {KIND_NAMES}")
         if not isinstance(self.kind, str) or self.kind not in KIND_NAMES:
@@ -116,8 +118,9 @@ class KVGroup:
             raise ValueError(f"{who}: kind={self.kind!r} with sliding_window=None; "
                              f"allowed: {what} in tokens, a window > 0")
         if self.kind not in WINDOWED_KINDS and self.sliding_window is not None:
-            raise ValueError(f"{who}: sliding_window={self.sliding_window} with kind={self.kind!r}; "
-                             f"allowed: a window only for kinds {WINDOWED_KINDS}")
+            raise ValueError(f"{who}: sliding_window={self.sliding_window} with "
+                             f"kind={self.kind!r}; allowed: a window only for kinds "
+                             f"{WINDOWED_KINDS}")
 
     @property
     def layer_page_bytes(self) -> tuple[int, ...]:
@@ -210,11 +213,11 @@ class KVLayout:
         for g, group in enumerate(self.groups):
             if group.is_state and not self.offloadable[g] and offloaded:
                 raise ValueError(
-                    f"group {g}: kind={group.kind!r} with tokens_per_block={group.tokens_per_block} "
-                    f"is not a multiple of tokens_per_hash={self.tokens_per_hash}, so its state "
-                    f"cannot be offloaded while groups {offloaded} are, and their prefix hits would "
-                    f"be unusable; allowed: tokens_per_hash dividing every state group's "
-                    f"tokens_per_block")
+                    f"group {g}: kind={group.kind!r} with "
+                    f"tokens_per_block={group.tokens_per_block} is not a multiple of "
+                    f"tokens_per_hash={self.tokens_per_hash}, so its state cannot be offloaded "
+                    f"while groups {offloaded} are, and their prefix hits would be unusable; "
+                    "allowed: tokens_per_hash dividing every state group's tokens_per_block")
 
     def _resolve_blocks_per_chunk(self) -> tuple[int, ...]:
         if self.chunk_tokens is not None:
@@ -281,6 +284,11 @@ class KVLayout:
     def tokens_per_chunk(self) -> tuple[int, ...]:
         return tuple(gr.tokens_per_block * n for gr, n in zip(self.groups, self.blocks_per_chunk))
 
+    def window_chunks(self, g: int) -> int | None:
+        """How many trailing chunks of group g a load can use (None: all); vLLM's
+        `sliding_window_size_in_chunks` for the same group, which an adapter can check against."""
+        return window_chunks(self.groups[g], self.tokens_per_chunk[g])
+
     def chunk_nbytes(self, g: int) -> int:
         """Payload bytes of one chunk of group g: [layer][block][page], contiguous, each layer with
         its own page size."""
@@ -291,7 +299,8 @@ class KVLayout:
         """sha256 hex of everything that decides a chunk's bytes; stable across processes and runs.
 
         Per-layer page sizes are encoded canonically (one int when they are all equal, the list
-        otherwise), so `page_bytes=(x, x)` and `page_bytes=x` share chunks: they decide the same bytes.
+        otherwise), so `page_bytes=(x, x)` and `page_bytes=x` share chunks: they decide the same
+        bytes.
         Layer names are left out on purpose: the bytes depend on the geometry (layer count, page size,
         block size), not on what the engine calls its layers; names only map tensors locally, so two
         engines naming layers differently can still share chunks.

@@ -12,7 +12,9 @@ states it no longer keeps). Each group keeps what a later load can use, as vLLM'
 it (`sliding_window_size_in_chunks`): the chunks overlapping a sliding window, the
 `ceil(chunk size / tokens_per_chunk)` chunks of chunked local attention, and only the last complete
 chunk of a recurrent-state group, whose block is the state at the block's end (older states are
-never read again, and in align mode they are not even there). Its key is the group index (2 bytes, big-endian) followed by the prefix hash at the chunk's
+never read again, and in align mode they are not even there).
+
+A chunk's key is the group index (2 bytes, big-endian) followed by the prefix hash at the chunk's
 last token, so equal prefixes give equal keys in every process, and the groups never share a key.
 """
 

@@ -75,9 +75,8 @@ def _kv_caches(layout, tokens: int, gen: torch.Generator) -> dict[str, torch.Ten
     caches = {}
     for group in layout.groups:
         blocks = -(-tokens // group.tokens_per_block)
-        for name in group.layer_names:
-            caches[name] = torch.randint(0, 256, (blocks, group.page_bytes), dtype=torch.uint8,
-                                         generator=gen)
+        for name, page in zip(group.layer_names, group.layer_page_bytes):
+            caches[name] = torch.randint(0, 256, (blocks, page), dtype=torch.uint8, generator=gen)
     return caches
 
 
