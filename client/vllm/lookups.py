@@ -63,6 +63,7 @@ class StepLookups:
     @property
     def pending(self) -> bool:
         """True while keys wait for their batch or their answer (the engine must keep stepping)."""
+        self._drain()
         return bool(self._batch or self._in_flight)
 
     def end_step(self) -> None:
