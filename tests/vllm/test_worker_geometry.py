@@ -249,3 +249,33 @@ def test_an_expedited_load_runs_while_regular_jobs_wait_and_fills_its_blocks(dae
     assert [r.job_id for r in worker.get_finished()] == [2]
     worker.shutdown()
     assert worker.load_failures == 0
+
+
+def test_a_packed_layout_round_trips_each_groups_whole_blocks_byte_for_byte(daemon):
+    # one tensor backs both groups; group 0 owns blocks 1-2, group 1 blocks 3-4 (vLLM's shared pool)
+    groups = [(["a0", "a1"], attn()), (["b0", "b1"], attn(vllm_kv.SlidingWindowSpec,
+                                                         sliding_window=32))]
+    stride = 4 * translate(0, groups[0][1], ("a0",)).layer_page_bytes[0]
+    tensor = torch.randint(0, 256, (NUM_BLOCKS, stride), dtype=torch.uint8)
+    caches = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(tensor, stride)],
+                               group_data_refs=[[CanonicalKVCacheRef(0, stride)]] * 2)
+    layout, tensors = build(groups, caches)
+    worker = KVTierOffloadingWorker(layout, tensors, KVTierSettings(address=daemon.address))
+    try:
+        keys = [b"packed-a", b"packed-b"]
+        assert worker.submit_store(1, GPULoadStoreSpec([1, 2, 3, 4], [2, 2], [0, 0]),
+                                   KVTierLoadStoreSpec(keys))
+        worker.wait({1})
+        assert [r.transfer_size for r in worker.get_finished()] == [4 * stride]
+        expected = tensor[1:5].clone()
+        tensor[5:9] = 0xAB
+        untouched = torch.cat([tensor[:5], tensor[9:]]).clone()
+        assert worker.submit_load(2, KVTierLoadStoreSpec(keys),
+                                  GPULoadStoreSpec([5, 6, 7, 8], [2, 2], [0, 0]))
+        worker.wait({2})
+        assert [r.job_id for r in worker.get_finished()] == [2]
+        assert torch.equal(tensor[5:9], expected)
+        assert torch.equal(torch.cat([tensor[:5], tensor[9:]]), untouched)
+        assert worker.load_failures == 0
+    finally:
+        worker.shutdown()
