@@ -6,13 +6,12 @@ raises ``ProtocolError`` for a request refused as a whole.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import time
 from typing import Callable
 
-from kvtierd import __version__, staging_cuda
+from kvtierd import __version__, cuda_health, staging_cuda
 from kvtierd.config import Config
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
@@ -27,6 +26,7 @@ from kvtierd.protocol import (
 )
 from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
+from kvtierd.server.admission import token_matches
 from kvtierd.server.movement import TierMover
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.server.tickets import TicketBook
@@ -58,15 +58,12 @@ class OpHandlers:
         self.started_at = time.time()
         self.metrics_address: str = ""
         self.pinning: Callable[[], dict] | None = None  # the arena's CUDA pinning progress
+        self.connections: Callable[[], dict] | None = None  # the connection guard's counts
 
     # -- session ---------------------------------------------------------------------------------
     def hello(self, identity: bytes, header: dict, frames: list) -> dict:
-        if self.cfg.auth_token:
-            token = header.get("token")
-            if not isinstance(token, str) or not hmac.compare_digest(
-                token.encode("utf-8", "surrogatepass"), self.cfg.auth_token.encode("utf-8")
-            ):
-                raise ProtocolError(Status.AUTH_FAILED, "HELLO token missing or wrong")
+        if self.cfg.auth_token and not token_matches(header.get("token"), self.cfg.auth_token):
+            raise ProtocolError(Status.AUTH_FAILED, "HELLO token missing or wrong")
         namespace = requests.field(header, "namespace", str, "a non-empty string")
         if not 0 < len(namespace) <= 256:
             raise ProtocolError(Status.BAD_REQUEST, "namespace must have 1..256 characters")
@@ -79,8 +76,13 @@ class OpHandlers:
         staging_spec = requests.field(header, "staging", dict, "a staging handle map")
         staging, peer = self._open_staging(staging_spec)
         client = header.get("client") if isinstance(header.get("client"), dict) else {}
-        session = Session(identity, namespace, rank, fingerprint, staging, client, peer=peer)
-        self.sessions.add(session)
+        try:
+            session = Session(identity, namespace, rank, fingerprint, staging, client, peer=peer)
+            self.sessions.add(session)
+        except BaseException:  # a refused HELLO keeps no mapping: the client frees its buffer
+            if staging is not None:
+                staging.close()
+            raise
         self.metrics.sessions.set(len(self.sessions))
         log.info(
             "session %d: namespace %s rank %d staging %s peer %s", session.id, namespace, rank,
@@ -103,6 +105,8 @@ class OpHandlers:
             "max_inline_bytes": self.cfg.max_inline_bytes,
             "max_frame_bytes": self.cfg.max_frame_bytes,
             "max_staging_bytes": self.cfg.max_staging_bytes,
+            "max_inline_reply_bytes": self.cfg.max_inline_reply_bytes,
+            "max_in_flight_requests": self.cfg.max_in_flight_requests,
         }
 
     def _open_staging(self, spec: dict) -> tuple[MemfdStaging | CudaIpcStaging | None,
@@ -190,12 +194,15 @@ class OpHandlers:
                 },
                 "tiers": dict(self.mover.tier_stats()),
                 "sessions": len(self.sessions),
+                "connections": self.connections() if self.connections else {},
                 "handshake": {"socket": str(self.cfg.handshake_path), "tickets": len(self.tickets),
                               **self.handshake_stats},
                 "counts": dict(self.accounting.counts),
                 "ghosts": self.ghosts.stats(),
                 "cuda": {"pinning": self.pinning() if self.pinning else None,
-                         **staging_cuda.stats()},
+                         **staging_cuda.stats(),
+                         # devices whose context hit a sticky error (the daemon is exiting)
+                         "lost": {str(d): why for d, why in cuda_health.lost().items()}},
             }
         }
 
