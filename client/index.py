@@ -1,8 +1,8 @@
 """``KVTierIndex``: a session that only asks the daemon about keys, for engine schedulers.
 
 A scheduler decides which chunks to load or store but never touches KV bytes, so it needs no
-staging buffer and no KV tensors: it greets the daemon with an ``inline`` staging (nothing mapped)
-under the namespace, rank and fingerprint of the worker whose chunks it asks about, then sends
+staging buffer and no KV tensors: it greets the daemon with an ``inline`` staging (nothing mapped;
+an inline handshake's ticket gives it the same credentials as the workers) under the namespace, rank and fingerprint of the worker whose chunks it asks about, then sends
 LOOKUP batches. Keys are opaque bytes (an engine's own chunk keys), not planned ``Chunk`` objects.
 
 It runs on the caller's thread with a short timeout and never raises for an absent daemon: after a
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from kvtierd.protocol import Op, Status, Tier
 
+from .handshake import inline_staging
 from .transport import DaemonError, DaemonUnavailable, Transport
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,10 @@ class KVTierIndex:
     def _ensure_session(self) -> None:
         if self._session is not None:
             return
+        staging = inline_staging(self._transport, self._transport.timeout_s)  # our credentials
         header, _ = self._transport.call(
             Op.HELLO, namespace=self.namespace, rank=self.rank, fingerprint=self.fingerprint,
-            staging={"kind": "inline"}, token=self._token,
+            staging=staging, token=self._token,
             client={"pid": os.getpid(), "library": "kvtier_client.index"})
         self._session = header["session"]
         self._max_batch = int(header.get("limits", {}).get("max_batch", self._max_batch))

@@ -114,6 +114,10 @@ class DaemonMetrics:
         self.sessions_closed = Counter(
             "kvtierd_sessions_closed", "Client sessions ended, by reason", ["reason"], registry=r
         )
+        self.handshakes = Counter(
+            "kvtierd_handshakes", "Staging handshakes answered, by kind and status",
+            ["kind", "status"], registry=r,
+        )
         self.connections = Gauge(
             "kvtierd_connections", "Client connections open on the ROUTER socket", registry=r
         )

@@ -92,7 +92,7 @@ class Daemon:
         self.handshake = HandshakeServer(
             cfg.handshake_path, cfg.socket_mode_bits, self.tickets,
             lambda fd, nbytes: MemfdStaging(fd, nbytes, cfg.max_staging_bytes, self.arena.inode),
-            cfg.max_staging_bytes)
+            cfg.max_staging_bytes, self.metrics.handshakes)
         try:
             # Binds first: a taken port or an unbindable path ends the start before the arena.
             self.ctx, self.socket, self.monitor = bind_router(cfg, MONITOR_EVENTS)
