@@ -33,7 +33,7 @@ class Session:
         self.buf[:] = os.urandom(nbytes)
         self.next_id = 1
         try:
-            self.call(Op.HELLO, namespace=namespace, rank=0, fingerprint=fingerprint,
+            self.call(Op.HELLO, namespace=namespace, rank=0, world_size=1, fingerprint=fingerprint,
                       staging={"kind": "shm", "name": self.name, "nbytes": nbytes})
         finally:
             os.unlink(path)

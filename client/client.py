@@ -155,6 +155,7 @@ class KVTierClient:
         try:
             header, _ = self._transport.call(
                 Op.HELLO, namespace=self.namespace, rank=self.layout.rank,
+                world_size=self.layout.world_size,
                 fingerprint=self.layout.fingerprint, staging=staging.handle(), token=self._token,
                 client={"pid": os.getpid(), "library": "kvtier_client"})
         except BaseException:

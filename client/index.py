@@ -28,13 +28,15 @@ log = logging.getLogger(__name__)
 
 class KVTierIndex:
     def __init__(self, address: str, *, namespace: str, rank: int, fingerprint: str,
-                 timeout_s: float = 2.0, retry_s: float = 5.0, token: str = "") -> None:
+                 world_size: int = 1, timeout_s: float = 2.0, retry_s: float = 5.0,
+                 token: str = "") -> None:
         if timeout_s <= 0 or retry_s < 0:
             raise ValueError(f"timeout_s={timeout_s}, retry_s={retry_s}; allowed: timeout_s > 0, "
                              "retry_s >= 0")
         self.address = address
         self.namespace = namespace
         self.rank = rank
+        self.world_size = world_size  # HELLO checks 0 <= rank < world_size
         self.fingerprint = fingerprint
         self.retry_s = retry_s
         self._token = token
@@ -102,7 +104,8 @@ class KVTierIndex:
         if self._session is not None:
             return
         header, _ = self._transport.call(
-            Op.HELLO, namespace=self.namespace, rank=self.rank, fingerprint=self.fingerprint,
+            Op.HELLO, namespace=self.namespace, rank=self.rank, world_size=self.world_size,
+            fingerprint=self.fingerprint,
             staging={"kind": "inline"}, token=self._token,
             client={"pid": os.getpid(), "library": "kvtier_client.index"})
         self._session = header["session"]

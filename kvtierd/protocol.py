@@ -84,6 +84,7 @@ class Status(enum.IntEnum):
     INTERNAL = 17  # a bug: logged with a traceback, the daemon keeps serving
     SHUTTING_DOWN = 18
     CHECKSUM_MISMATCH = 19  # stored bytes no longer match their checksum: dropped, a miss
+    QUOTA_EXCEEDED = 20  # the tenant's CPU-tier quota is full of its own unevictable chunks
 
 
 #: Per-item PUT statuses a client may count as "the chunk is stored".

@@ -82,6 +82,7 @@ class KVTierOffloadingManager(OffloadingManager):
             return None
         self._indexes = [
             KVTierIndex(self.settings.address, namespace=lay.namespace, rank=lay.rank,
+                        world_size=lay.world_size,
                         fingerprint=lay.fingerprint, timeout_s=self.settings.timeout_s,
                         retry_s=self.settings.retry_s, token=self.settings.token)
             for lay in layouts]

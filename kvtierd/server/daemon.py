@@ -46,6 +46,7 @@ from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
 from kvtierd.server.movement import TierMover
 from kvtierd.server.sessions import SessionTable
+from kvtierd.tenants import TenantTable
 from kvtierd.tiers.arena import SHM_DIR, Arena
 from kvtierd.tiers.index_db import ChunkIndexDB
 from kvtierd.tiers.cpu import CpuTier
@@ -93,9 +94,11 @@ class Daemon:
             raise
 
     def _build(self, cfg: Config) -> None:
+        self.tenants = TenantTable(cfg)
         self.tier = CpuTier(
             self.arena, cfg.page_bytes, policy=cfg.eviction_policy,
             high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
+            quota_pages=self._quota_pages,
         )
         self._attach_arena_index(cfg)
         self.nvme = self._open_nvme(cfg)
@@ -110,13 +113,15 @@ class Daemon:
         self.metrics.add_tiers(self.mover.tier_stats)
         self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s)
         accounting = Accounting(self.metrics)
-        self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting)
+        self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting,
+                                   self.tenants)
         self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
         self._ready_sent = False
         self._pinned_reported = -1
         self.handlers.pinning = self.pinner.stats
         self.data = DataOps(cfg, self.mover, self.sessions, self.engine, self.metrics, accounting,
-                            self._send)
+                            self._send, self.tenants)
+        self.metrics.add_tenants(self.tenants, self.tier)
         # Capacity planning: what each tier's hit ratio would be if it were 2x/4x larger.
         tiers = [(name, stats["capacity_bytes"]) for name, stats in self.mover.tier_stats()]
         self.handlers.ghosts = self.data.ghosts = GhostCaches(tiers, cfg.page_bytes)
@@ -136,6 +141,12 @@ class Daemon:
         self._probes: list[float] = []
         self.ctx: zmq.Context | None = None
         self.socket: zmq.Socket | None = None
+
+    def _quota_pages(self, tenant: str) -> int:
+        """A tenant's quota in whole pages (rounded down, never past max_bytes), at least one:
+        0 would mean "no quota"."""
+        quota = self.tenants.quota_bytes(tenant)
+        return max(1, quota // self.cfg.page_bytes) if quota else 0
 
     def _attach_arena_index(self, cfg: Config) -> None:
         if not cfg.cpu_persistent:

@@ -7,7 +7,7 @@ from typing import Hashable
 
 from kvtierd.eviction.base import EvictionPolicy
 from kvtierd.protocol import Status
-from kvtierd.tiers.chunk import ChunkEntry, ChunkState
+from kvtierd.tiers.chunk import ChunkEntry, ChunkState, tenant_of
 
 
 class TierIndex:
@@ -29,16 +29,18 @@ class TierIndex:
         self.policy.touch(ikey)
         return Status.OK, entry
 
-    def pick_victims(self, pages_needed: int) -> tuple[list[ChunkEntry], int]:
+    def pick_victims(self, pages_needed: int, tenant: str | None = None
+                     ) -> tuple[list[ChunkEntry], int]:
         """Coldest evictable chunks (READY, unleased, unread, not demoting) covering
-        ``pages_needed`` pages, and the pages they hold; nothing when none are needed."""
+        ``pages_needed`` pages, and the pages they hold; nothing when none are needed. With
+        ``tenant``, only that tenant's chunks (a tenant over its quota evicts its own)."""
         victims: list[ChunkEntry] = []
         freed = 0
         if pages_needed <= 0:
             return victims, freed
         for ikey in self.policy.victims():
             entry = self.index[ikey]
-            if not entry.evictable:
+            if not entry.evictable or tenant is not None and tenant_of(ikey) != tenant:
                 continue
             victims.append(entry)
             freed += entry.pages

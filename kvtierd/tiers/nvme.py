@@ -174,8 +174,7 @@ class NvmeTier(TierIndex):
                   ) -> Callable[[], int]:
         """Copy each entry's source arena pages into its pages, make them all durable with one
         ``fdatasync``, then index them in one transaction. All or nothing per job."""
-        rows = [IndexRow(e.ikey[0][0], e.ikey[0][1], e.ikey[1], e.fingerprint, e.nbytes,
-                         e.checksum, e.runs) for e, _ in items]
+        rows = [IndexRow.of(e.ikey, e.fingerprint, e.nbytes, e.checksum, e.runs) for e, _ in items]
 
         def job() -> int:
             for entry, src_runs in items:

@@ -34,7 +34,7 @@ class InlineSession:
     def __init__(self, address: str, namespace: str = "nvme", fingerprint: str = "fp-nvme",
                  rank: int = 0, timeout_s: float = 30.0) -> None:
         self.raw = RawClient(address, timeout_s=timeout_s)
-        rep, _ = self.raw.request(Op.HELLO, namespace=namespace, rank=rank,
+        rep, _ = self.raw.request(Op.HELLO, namespace=namespace, rank=rank, world_size=rank + 1,
                                   fingerprint=fingerprint, staging={"kind": "inline"})
         assert rep["status"] == Status.OK, rep
         self.session = rep["session"]

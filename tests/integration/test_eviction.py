@@ -184,7 +184,7 @@ class _Staging:
         self.nbytes = nbytes
 
     def hello(self, raw: RawClient) -> None:
-        rep, _ = raw.request(Op.HELLO, namespace="doomed", rank=0, fingerprint="fp",
+        rep, _ = raw.request(Op.HELLO, namespace="doomed", rank=0, world_size=1, fingerprint="fp",
                              staging={"kind": "shm", "name": self.name, "nbytes": self.nbytes})
         assert rep["status"] == Status.OK, rep
 

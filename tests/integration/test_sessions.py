@@ -141,7 +141,7 @@ def test_put_abandoned_by_bye_is_aborted_and_never_visible(daemon):
     buf = ShmBuffer(chunk * count)
     raw, reader = RawClient(daemon.address), RawClient(daemon.address)
     try:
-        rep, _ = raw.request(Op.HELLO, namespace="abandon", rank=0, fingerprint="fp",
+        rep, _ = raw.request(Op.HELLO, namespace="abandon", rank=0, world_size=1, fingerprint="fp",
                              staging=buf.handle())
         assert rep["status"] == Status.OK, rep
         buf.path.unlink()
@@ -157,7 +157,7 @@ def test_put_abandoned_by_bye_is_aborted_and_never_visible(daemon):
         cpu = daemon.cpu()
         assert cpu["aborts"] - before.get("aborts", 0) == count, cpu
         assert cpu["chunks"] == before["chunks"] and cpu["used_bytes"] == cpu["committed_bytes"]
-        rep, _ = reader.request(Op.HELLO, namespace="abandon", rank=0, fingerprint="fp",
+        rep, _ = reader.request(Op.HELLO, namespace="abandon", rank=0, world_size=1, fingerprint="fp",
                                 staging={"kind": "inline"})
         assert lookup(reader, keys) == [0] * count, "an abandoned PUT became visible"
         assert daemon.stats()["sessions"] == 1
@@ -173,7 +173,7 @@ def test_put_pipelined_before_bye_still_gets_a_reply(daemon):
     buf = ShmBuffer(chunk * count)
     raw = RawClient(daemon.address, timeout_s=3)
     try:
-        rep, _ = raw.request(Op.HELLO, namespace="pipelined", rank=0, fingerprint="fp",
+        rep, _ = raw.request(Op.HELLO, namespace="pipelined", rank=0, world_size=1, fingerprint="fp",
                              staging=buf.handle())
         assert rep["status"] == Status.OK, rep
         raw.send_frames([msgpack.packb({"v": 1, "op": int(Op.PUT), "id": 1001, "items": [
@@ -200,7 +200,7 @@ def test_put_pipelined_before_bye_still_gets_a_reply(daemon):
 # -- (b) a silent session is reaped and its leases released ----------------------------------------
 
 def hello(raw: RawClient, namespace: str = "raw", fingerprint: str = "fp-raw") -> int:
-    rep, _ = raw.request(Op.HELLO, namespace=namespace, rank=0, fingerprint=fingerprint,
+    rep, _ = raw.request(Op.HELLO, namespace=namespace, rank=0, world_size=1, fingerprint=fingerprint,
                          staging={"kind": "inline"})
     assert rep["status"] == Status.OK, rep
     return rep["session"]

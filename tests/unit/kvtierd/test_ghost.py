@@ -42,7 +42,7 @@ def trace(rng: random.Random, n: int, keys: int, hot: int = 0):
         key = rng.randrange(hot) if hot and rng.random() < 0.5 else rng.randrange(keys)
         r = rng.random()
         op = "access" if r < 0.6 else "insert" if r < 0.97 else "remove"
-        yield op, (("model", 0), key.to_bytes(8, "little")), 1 + key % 5
+        yield op, (("uid:0", "model", 0), key.to_bytes(8, "little")), 1 + key % 5
 
 
 @pytest.mark.parametrize("capacity_pages", [1, 7, 40, 200])
@@ -113,7 +113,7 @@ def test_large_tiers_are_sampled_and_estimate_the_exact_hit_ratio():
     zipf = [1 / (k + 1) ** 0.6 for k in range(60000)]
     keys = rng.choices(range(60000), weights=zipf, k=100000)
     for key in keys:
-        ikey = (("m", 0), key.to_bytes(4, "little"))
+        ikey = (("uid:0", "m", 0), key.to_bytes(4, "little"))
         for ghosts in (exact, sampled):
             ghosts.access(ikey, None)
             ghosts.insert(ikey, PAGE)
@@ -131,7 +131,7 @@ def test_memory_per_key_is_what_the_docs_say():
     """The README and kvtierd.ghost promise about 140 bytes a key; fail well before 2x that."""
     ghost = GhostLRU(1 << 40, PAGE)
     rng = random.Random(1)
-    keys = [GhostCaches.key((("m", 0), rng.randbytes(16))) for _ in range(50000)]
+    keys = [GhostCaches.key((("uid:0", "m", 0), rng.randbytes(16))) for _ in range(50000)]
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]

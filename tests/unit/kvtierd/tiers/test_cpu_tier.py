@@ -13,7 +13,7 @@ from kvtierd.tiers.cpu import CpuTier
 
 PAGE = 4096
 PAGES = 16
-SPACE = ("ns", 0)
+SPACE = ("uid:1000", "ns", 0)  # (tenant, namespace, rank)
 
 
 @pytest.fixture
