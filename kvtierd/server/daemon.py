@@ -169,7 +169,8 @@ class Daemon:
         if fault_file is not None:
             log.warning("NVMe fault injection is ON (%s): a test setting", fault_file)
         return NvmeTier(Path(cfg.nvme_dir), cfg.nvme_bytes, cfg.page_bytes,
-                        policy=cfg.eviction_policy, fault_file=fault_file)
+                        policy=cfg.eviction_policy, fault_file=fault_file,
+                        dir_mode=cfg.state_dir_bits)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:

@@ -48,6 +48,7 @@ class Arena:
             os.close(fd)
             raise RuntimeError(f"arena {self.path} is in use by another kvtierd") from None
         try:
+            os.fchmod(fd, 0o600)  # every tenant's KV bytes: the daemon's alone (older files too)
             self.attached = os.fstat(fd).st_size == nbytes
             os.ftruncate(fd, nbytes)
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)

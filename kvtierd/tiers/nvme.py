@@ -32,6 +32,7 @@ from kvtierd.tiers.nvme_file import (
     DataFile,
     FaultInjector,
     lock_directory,
+    make_state_dir,
     probe_direct_io,
 )
 
@@ -57,8 +58,9 @@ class NvmeTier(TierIndex):
         policy: str = "lru",
         fault_file: Path | None = None,
         on_status: Callable[[str], None] | None = None,
+        dir_mode: int = 0o700,
     ) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_state_dir(directory, dir_mode)
         self.directory = directory
         self.page_bytes = page_bytes
         self._lock_fd = lock_directory(directory)
