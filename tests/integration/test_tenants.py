@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 from helpers.bad_input import POISON, Session, item_errors, names, namespace, write_toml
@@ -184,6 +186,12 @@ def test_quota_exhaustion_evicts_only_the_tenants_own_chunks_then_refuses(
     assert metric(text, "kvtierd_quota_rejections_total", "greedy") == 1
     assert metric(text, "kvtierd_quota_rejections_total", "victim") == 0
     assert metric(text, "kvtierd_tenant_used_bytes", "other") == 0
+    table = subprocess.run([sys.executable, "-m", "kvtierd", "stats", "--socket", d.address],
+                           capture_output=True, text=True, timeout=30, check=True).stdout
+    rows = {line.split()[0]: line.split() for line in table.splitlines() if line.strip()}
+    assert rows["tenant"] == ["tenant", "cpu", "used", "quota", "used%", "refused"], table
+    assert rows["greedy"] == ["greedy", "1.0", "MiB", "1.0", "MiB", "100.0%", "1"], table
+    assert rows["victim"][-3:] == ["none", "-", "0"], table
     d.check()
 
 
