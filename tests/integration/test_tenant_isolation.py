@@ -2,7 +2,7 @@
 sharing inside one configured tenant, and per-tenant quotas in the CPU tier.
 
 The tenants here are configured by HELLO token, which works for every session; the same checks with
-real users (tenant by uid over the staging handshake) live in test_tenants_users.py.
+real users (tenant by uid over the staging handshake) live in test_tenant_users.py.
 """
 
 from __future__ import annotations
