@@ -1,42 +1,40 @@
-"""A raw benchmark client: one DEALER and one filled shm staging buffer — what KVTierClient does,
-without the KV-cache copies, so that a benchmark times the daemon alone. Shared by the benchmarks
-(run as scripts, so this file sits beside them on ``sys.path``)."""
+"""A raw benchmark client: one DEALER and one filled memfd staging buffer (handed over by the
+staging handshake) — what KVTierClient does, without the KV-cache copies, so that a benchmark times
+the daemon alone. Shared by the benchmarks (run as scripts, so this file sits beside them on
+``sys.path``)."""
 
 from __future__ import annotations
 
-import mmap
 import os
-import secrets
 
 import msgpack
+import torch
 import zmq
 
+from kvtier_client.handshake import handshake
+from kvtier_client.staging import MemfdStagingBuffer
 from kvtierd.protocol import PROTOCOL_VERSION, Op
 
 
 class Session:
-    """A raw DEALER with its own shm staging buffer (KVTierClient without the KV copies)."""
+    """A raw DEALER with its own memfd staging buffer (KVTierClient without the KV copies)."""
 
     def __init__(self, address: str, nbytes: int, namespace: str = "bench",
                  fingerprint: str = "bench") -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
-        self.name = f"kvtier-stg-bench-{secrets.token_hex(6)}"
-        path = f"/dev/shm/{self.name}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            self.buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        finally:
-            os.close(fd)
-        self.buf[:] = os.urandom(nbytes)
+        self.staging = MemfdStagingBuffer(nbytes)
+        self.staging.tensor.copy_(torch.frombuffer(bytearray(os.urandom(nbytes)),
+                                                   dtype=torch.uint8))
         self.next_id = 1
         try:
-            self.call(Op.HELLO, namespace=namespace, rank=0, world_size=1, fingerprint=fingerprint,
-                      staging={"kind": "shm", "name": self.name, "nbytes": nbytes})
+            ticket, _ = handshake(self.call(Op.PING)["handshake"], "memfd", nbytes,
+                                  self.staging.fd)
         finally:
-            os.unlink(path)
+            self.staging.release_fd()
+        self.call(Op.HELLO, namespace=namespace, rank=0, world_size=1, fingerprint=fingerprint,
+                  staging=self.staging.handle(ticket))
 
     def call(self, op: Op, **fields) -> dict:
         self.next_id += 1
@@ -54,4 +52,4 @@ class Session:
             self.call(Op.BYE)
         finally:
             self.sock.close(linger=0)
-            self.buf.close()
+            self.staging.close()

@@ -29,7 +29,8 @@ from .copies import CopyUnit, build_page_tables, gather, scatter
 from .layout import KVLayout
 from .planner import Chunk
 from .cuda_staging import CudaCopier, tables_device
-from .staging import ShmStagingBuffer, align
+from .handshake import handshake, handshake_path
+from .staging import MemfdStagingBuffer, align
 from .transport import DaemonError, DaemonUnavailable, Transport
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class KVTierClient:
                              f"{largest} bytes; allowed: >= {align(largest)}")
         self._token = token
         self._transport = Transport(address, timeout_s)
-        self._staging: ShmStagingBuffer | None = None
+        self._staging: MemfdStagingBuffer | Any = None  # or a CudaStagingBuffer
         self._limits: dict[str, int] = {}
         self.session_id: int | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-client")
@@ -148,21 +149,25 @@ class KVTierClient:
             return [False] * len(chunks)
 
     def _ensure_session(self) -> None:
+        """HELLO with a fresh staging buffer, handed over by the staging handshake first."""
         if self._staging is not None:
             return
         staging = (self._cuda.new_staging(self.staging_bytes) if self._cuda
-                   else ShmStagingBuffer(self.staging_bytes))
+                   else MemfdStagingBuffer(self.staging_bytes))
         try:
+            path = handshake_path(self._transport)
+            ticket, _ = handshake(path, staging.handshake_kind, staging.nbytes,
+                                  staging.fd, self._transport.timeout_s)
+            staging.release_fd()  # the daemon has mapped its own copy of the descriptor
             header, _ = self._transport.call(
                 Op.HELLO, namespace=self.namespace, rank=self.layout.rank,
                 world_size=self.layout.world_size,
-                fingerprint=self.layout.fingerprint, staging=staging.handle(), token=self._token,
-                client={"pid": os.getpid(), "library": "kvtier_client"})
-        except BaseException:
+                fingerprint=self.layout.fingerprint, staging=staging.handle(ticket),
+                token=self._token, client={"pid": os.getpid(), "library": "kvtier_client"})
+        except BaseException:  # HandshakeError, DaemonUnavailable, DaemonError: no session
             staging.close()
             self._transport.reset()
             raise
-        staging.unlink()  # the daemon maps it now; nothing may outlive both processes
         self._staging = staging
         self._limits = header["limits"]
         self.session_id = header["session"]

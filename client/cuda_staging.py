@@ -4,7 +4,9 @@
 
 * ``new_staging(nbytes)`` allocates the staging buffer with a plain ``cudaMalloc`` (an IPC handle
   names a whole allocation, so never a pool sub-block) and exports its handle for HELLO:
-  ``{"kind": "cuda_ipc", "handle": <64 bytes>, "nbytes": int, "device": int}``;
+  ``{"kind": "cuda_ipc", "ticket": bytes, "handle": <64 bytes>, "nbytes": int, "device": int}``,
+  the ticket coming from a ``cuda_ipc`` staging handshake (no descriptor: it binds our
+  credentials to the session);
 * ``caller_ready()``, on the caller's thread, records an event on the caller's current torch stream:
   the copies wait for it, so they see every KV write the caller queued before ``store``/``load``;
 * ``gather`` runs the gather kernel on the copier's own stream and waits for it (the PUT that
@@ -48,17 +50,17 @@ def tables_device(tables: Sequence[Sequence[LayerPages]]) -> torch.device:
     return device
 
 
-def staging_handle(handle: bytes, nbytes: int, device: int, pci_bus_id: str | None = None
-                   ) -> dict:
-    """The HELLO ``staging`` field of a CUDA IPC staging buffer.
+def staging_handle(handle: bytes, nbytes: int, device: int, pci_bus_id: str | None = None,
+                   ticket: bytes = b"") -> dict:
+    """The HELLO ``staging`` field of a CUDA IPC staging buffer (``ticket``: its handshake's).
 
     ``pci_bus_id`` lets the daemon find the same GPU when its device numbers differ from ours
     (``CUDA_VISIBLE_DEVICES``); ``device`` is the fallback.
     """
     if not isinstance(handle, (bytes, bytearray)) or len(handle) != IPC_HANDLE_BYTES:
         raise ValueError(f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {handle!r:.40}")
-    spec = {"kind": "cuda_ipc", "handle": bytes(handle), "nbytes": int(nbytes),
-            "device": int(device)}
+    spec = {"kind": "cuda_ipc", "ticket": bytes(ticket), "handle": bytes(handle),
+            "nbytes": int(nbytes), "device": int(device)}
     if pci_bus_id:
         spec["pci_bus_id"] = pci_bus_id
     return spec
@@ -66,6 +68,9 @@ def staging_handle(handle: bytes, nbytes: int, device: int, pci_bus_id: str | No
 
 class CudaStagingBuffer:
     """``nbytes`` of device memory on ``device``, exported by a CUDA IPC handle."""
+
+    handshake_kind = "cuda_ipc"
+    fd = None  # the handshake passes no descriptor: the IPC handle goes in HELLO
 
     def __init__(self, nbytes: int, device: int, retire: Any = None) -> None:
         if nbytes <= 0:
@@ -86,8 +91,8 @@ class CudaStagingBuffer:
         self._tensor: torch.Tensor | None = None
         self._retire = retire
 
-    def handle(self) -> dict:
-        return staging_handle(self._handle, self.nbytes, self.device, self.pci_bus_id)
+    def handle(self, ticket: bytes) -> dict:
+        return staging_handle(self._handle, self.nbytes, self.device, self.pci_bus_id, ticket)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -100,8 +105,8 @@ class CudaStagingBuffer:
             self._tensor = torch.as_tensor(array, device=f"cuda:{self.device}")
         return self._tensor
 
-    def unlink(self) -> None:
-        """Nothing to unlink: the daemon's mapping ends with its handle (the shm buffer's API)."""
+    def release_fd(self) -> None:
+        """No descriptor to release (the memfd buffer's API)."""
 
     def close(self) -> None:
         """End of a session. The daemon may still be copying into an abandoned session's buffer

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from kvtierd.protocol import Op, Status, Tier
 
+from .handshake import HandshakeError, handshake, handshake_path
 from .transport import DaemonError, DaemonUnavailable, Transport
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class KVTierIndex:
                     if exc.status != Status.NO_SESSION or attempt:
                         raise
                     self._session = None  # the daemon restarted or reaped us: greet it again
-        except (DaemonUnavailable, DaemonError) as exc:
+        except (DaemonUnavailable, DaemonError, HandshakeError) as exc:
             self.failures += 1
             self._down_until = time.monotonic() + self.retry_s
             self._session = None
@@ -103,10 +104,14 @@ class KVTierIndex:
     def _ensure_session(self) -> None:
         if self._session is not None:
             return
+        # An inline session still does the handshake: its ticket carries our credentials, so the
+        # daemon puts this index in the same tenant as the workers whose chunks it asks about.
+        ticket, _ = handshake(handshake_path(self._transport), "inline",
+                              timeout_s=self._transport.timeout_s)
         header, _ = self._transport.call(
             Op.HELLO, namespace=self.namespace, rank=self.rank, world_size=self.world_size,
             fingerprint=self.fingerprint,
-            staging={"kind": "inline"}, token=self._token,
+            staging={"kind": "inline", "ticket": ticket}, token=self._token,
             client={"pid": os.getpid(), "library": "kvtier_client.index"})
         self._session = header["session"]
         self._max_batch = int(header.get("limits", {}).get("max_batch", self._max_batch))

@@ -1,76 +1,90 @@
-"""The client's host staging buffer: a shared-memory file the daemon maps (CPU-only path).
+"""The client's host staging buffer: a sealed memfd handed to the daemon (CPU-only path).
 
-The file is created under /dev/shm with a random name, announced in HELLO, and unlinked as soon
-as the daemon has mapped it: from then on the memory lives exactly as long as either side maps it,
-so a ``kill -9`` of the worker or of the daemon leaves nothing behind in /dev/shm.
+It has no name anywhere, so no other process can open, swap or truncate it; the daemon gets it only
+as a descriptor over the staging handshake (``handshake``). Before that it is made safe to map for
+a process that does not trust us:
 
-The file is private to the engine's user (mode 0600) unless ``KVTIER_STAGING_GROUP`` names a group
-(name or gid): then it belongs to that group with mode 0660, so that a daemon running as another
-user in that group (the systemd unit's and the DaemonSet's ``kvtierd`` group) can map it, and no
-one else can.
+* ``memfd_create(MFD_CLOEXEC | MFD_ALLOW_SEALING)`` and ``ftruncate`` to the size;
+* ``posix_fallocate`` so that every page is allocated now, charged to this process: a failure
+  (ENOSPC/ENOMEM) is a clear error here, not a SIGBUS at the first copy;
+* every page written once (Linux reports a fallocated page that was never written as a hole, and
+  the daemon refuses buffers with holes);
+* sealed ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``: its size can never change again, by us or
+  anyone, so the daemon's mapping cannot fault.
+
+Our descriptor is closed once the daemon has its own (``release_fd``); the memory lives as long as
+either side maps it, so a ``kill -9`` of either leaves nothing behind.
 """
 
 from __future__ import annotations
 
-import grp
+import fcntl
 import mmap
 import os
-import secrets
-from pathlib import Path
 
 import torch
 
-SHM_DIR = Path("/dev/shm")
-STAGING_GROUP_ENV = "KVTIER_STAGING_GROUP"
+MEMFD_NAME = "kvtier-staging"
 ALIGN = 256  # unit offsets in staging: enough for 16-byte vector copies and DMA-friendly
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_FILL_STEP = 4 * 1024**2
 
 
-class ShmStagingBuffer:
-    def __init__(self, nbytes: int, mode: int = 0o600, group: int | None = None) -> None:
+class StagingAllocationError(MemoryError):
+    """The memory for a staging buffer could not be reserved."""
+
+
+class MemfdStagingBuffer:
+    handshake_kind = "memfd"
+
+    def __init__(self, nbytes: int) -> None:
         if nbytes <= 0:
             raise ValueError(f"staging_bytes={nbytes}; allowed: a positive size")
-        group = staging_group() if group is None else group
-        self.name = f"kvtier-stg-{os.getpid()}-{secrets.token_hex(8)}"
-        self.path = SHM_DIR / self.name
         self.nbytes = nbytes
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        # The name is only a label in /proc/<pid>/maps (memfds have no path): ours carries the pid.
+        fd = os.memfd_create(f"{MEMFD_NAME}-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            if group is not None:
-                os.fchown(fd, -1, group)
-                os.fchmod(fd, 0o660)  # after the chown: the umask may have dropped group bits
-            os.ftruncate(fd, nbytes)
-            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            try:
+                os.ftruncate(fd, nbytes)
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:  # ENOSPC/ENOMEM (memory limit), EFBIG (RLIMIT_FSIZE)
+                raise StagingAllocationError(
+                    f"cannot allocate a {nbytes}-byte staging buffer ({exc.strerror}): free "
+                    "memory, raise the process's memory limit (container/cgroup) or its file "
+                    "size limit, or pass a smaller staging_bytes") from None
+            _fill(fd, nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         except BaseException:
-            self.path.unlink(missing_ok=True)
-            raise
-        finally:
             os.close(fd)
+            raise
+        self.fd: int | None = fd
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
 
-    def handle(self) -> dict:
-        return {"kind": "shm", "name": self.name, "nbytes": self.nbytes}
+    def handle(self, ticket: bytes) -> dict:
+        """HELLO's ``staging`` once the handshake handed the fd over and returned ``ticket``."""
+        return {"kind": "memfd", "ticket": ticket}
 
-    def unlink(self) -> None:
-        self.path.unlink(missing_ok=True)
+    def release_fd(self) -> None:
+        """The daemon holds its own descriptor (or mapping) now: ours is no longer needed."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def close(self) -> None:
-        self.unlink()
+        self.release_fd()
         if not self._mmap.closed:
             del self.tensor
             self._mmap.close()
 
 
-def staging_group(env: dict[str, str] | None = None) -> int | None:
-    """The gid named by ``KVTIER_STAGING_GROUP`` (a group name or a number), or None."""
-    value = (os.environ if env is None else env).get(STAGING_GROUP_ENV, "").strip()
-    if not value:
-        return None
-    if value.isdigit():
-        return int(value)
-    try:
-        return grp.getgrnam(value).gr_gid
-    except KeyError:
-        raise ValueError(f"{STAGING_GROUP_ENV}={value!r}: no such group") from None
+def _fill(fd: int, nbytes: int) -> None:
+    """Write every page once (zeros), so that none is left a hole."""
+    zeros = bytes(min(_FILL_STEP, nbytes))
+    offset = 0
+    while offset < nbytes:
+        step = min(_FILL_STEP, nbytes - offset)
+        offset += os.pwrite(fd, zeros[:step] if step < len(zeros) else zeros, offset)
 
 
 def align(offset: int) -> int:

@@ -30,6 +30,8 @@ _CONFIG_FLAGS = (
     ("--nvme-write-policy", "nvme_write_policy", "write-back (default) or write-through"),
     ("--io-threads", "io_threads", "threads doing NVMe I/O"),
     ("--cpu-persistent", "cpu_persistent", "true: keep the arena across restarts (warm restart)"),
+    ("--socket-mode", "socket_mode", "octal mode of the ipc and handshake sockets, e.g. 0660"),
+    ("--handshake-socket", "handshake_socket", "path of the staging handshake socket"),
 )
 
 

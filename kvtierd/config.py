@@ -140,6 +140,16 @@ class Config:
     state_dir_mode: str = "0700"
     # Accept a tcp:// socket on a non-loopback address.
     allow_remote: bool = False
+    # Permission bits (octal) of the ZeroMQ ipc socket and of the staging handshake socket; their
+    # directory gets the matching search bits. "0660": the daemon's group (engines running as
+    # other users in it) may connect; tenants keep them apart. "0600": the daemon's user only.
+    socket_mode: str = "0660"
+    # Path of the staging handshake Unix socket. Empty: beside an ipc socket (PATH.hs), else
+    # kvtierd-PORT.hs in the runtime directory. Clients learn it from PING.
+    handshake_socket: str = ""
+    # A staging handshake's one-time ticket must be presented in HELLO this soon; an unused one's
+    # mapping is then closed.
+    ticket_timeout_s: float = 10.0
     # Python logging level name.
     log_level: str = "INFO"
 
@@ -150,6 +160,20 @@ class Config:
     @property
     def ipc_path(self) -> Path | None:
         return Path(self.socket[len("ipc://") :]) if self.socket.startswith("ipc://") else None
+
+    @property
+    def socket_mode_bits(self) -> int:
+        return int(self.socket_mode, 8)
+
+    @property
+    def handshake_path(self) -> Path:
+        """The staging handshake socket (``kvtierd.server.handshake``)."""
+        if self.handshake_socket:
+            return Path(self.handshake_socket)
+        if self.ipc_path is not None:
+            return self.ipc_path.with_name(self.ipc_path.name + ".hs")
+        port = self.socket.rpartition(":")[2]
+        return default_runtime_dir() / f"kvtierd-{port}.hs"
 
     def resolved_arena_name(self) -> str:
         if self.arena_name:
@@ -243,7 +267,7 @@ def _validate(cfg: Config) -> None:
         )
     if cfg.eviction_policy not in POLICIES:
         raise ConfigError("eviction_policy", cfg.eviction_policy, ", ".join(sorted(POLICIES)))
-    for key in ("lease_timeout_s", "session_timeout_s"):
+    for key in ("lease_timeout_s", "session_timeout_s", "ticket_timeout_s"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, getattr(cfg, key), "a positive number of seconds")
     if cfg.nvme_write_policy not in ("write-back", "write-through"):
@@ -266,6 +290,7 @@ def _validate(cfg: Config) -> None:
     if "/" in cfg.arena_name or cfg.arena_name.startswith("."):
         raise ConfigError("arena_name", cfg.arena_name, "a file name without '/' (under /dev/shm)")
     _validate_socket(cfg)
+    _validate_socket_files(cfg)
     _validate_metrics_addr(cfg.metrics_addr)
     import logging
 
@@ -345,6 +370,26 @@ def _validate_socket(cfg: Config) -> None:
         raise ConfigError(
             "socket", cfg.socket, "a loopback tcp address (127.0.0.1, ::1) unless allow_remote"
         )
+
+
+SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
+
+
+def _validate_socket_files(cfg: Config) -> None:
+    mode = cfg.socket_mode
+    if not (3 <= len(mode) <= 4 and all(c in "01234567" for c in mode)) or (
+            len(mode) == 4 and mode[0] != "0") or int(mode, 8) & 0o600 != 0o600:
+        raise ConfigError("socket_mode", mode, "an octal mode string such as \"0600\", \"0660\" "
+                          "or \"0666\" (the owner needs read and write)")
+    if int(mode, 8) & 0o111:
+        raise ConfigError("socket_mode", mode, "a mode without execute bits (0600, 0660, 0666)")
+    path = str(cfg.handshake_path)
+    if cfg.handshake_socket and not os.path.isabs(path):
+        raise ConfigError("handshake_socket", path, "an absolute path (or empty for the default)")
+    if len(os.fsencode(path)) > SUN_PATH_MAX:
+        raise ConfigError("handshake_socket" if cfg.handshake_socket else "socket", path,
+                          f"a handshake socket path of at most {SUN_PATH_MAX} bytes (a Unix "
+                          "socket's limit); choose a shorter socket path or set handshake_socket")
 
 
 def _validate_metrics_addr(addr: str) -> None:

@@ -21,9 +21,18 @@ Per-op fields (request -> reply):
 
 * HELLO ``namespace: str, rank: int, fingerprint: str, staging: {kind, ...}, token?: str,
   client?: map`` -> ``session: int, page_bytes: int, limits: map, daemon: str``.
-  ``staging`` is ``{"kind": "shm", "name": str, "nbytes": int}`` (a file in /dev/shm created by the
-  client) or ``{"kind": "inline"}``.
-* PING -> ``{}`` (also a session heartbeat).
+  ``staging`` is one of (``ticket`` from the staging handshake below, bound to its kind):
+
+  - ``{"kind": "memfd", "ticket": bytes}``: the sealed memfd handed over in the handshake;
+  - ``{"kind": "cuda_ipc", "ticket": bytes, "handle": bytes(64), "nbytes": int, "device": int,
+    "pci_bus_id"?: str}``: a device buffer (the handshake only bound the credentials);
+  - ``{"kind": "inline", "ticket"?: bytes}``: payload frames; the ticket, when given, only carries
+    the peer's credentials (remote TCP clients have none).
+
+  Protocol 1's ``{"kind": "shm", "name": ...}`` (a /dev/shm file named in HELLO) is refused with
+  ``BAD_HANDLE``: a name can be opened, swapped or truncated by others, a sealed memfd cannot.
+* PING -> ``handshake: str`` (the path of the staging handshake socket; needs no session or
+  token) and is also a session heartbeat.
 * LOOKUP ``keys: [bytes], lease: bool`` -> ``tiers: [int]`` (``Tier`` per key, 0 = miss).
 * PUT ``items: [[key, offset, nbytes], ...]`` -> ``results: [int]`` (``Status`` per item; ``EXISTS``
   means the key was already stored by the same layout and nothing was copied).
@@ -32,6 +41,19 @@ Per-op fields (request -> reply):
 * STATS -> ``stats: map`` (tiers, chunks, counters; what ``kvtierd stats`` prints).
 * BYE -> ``{}``; the session's reservations are aborted and its leases released.
 * CHECK -> ``checked: map`` (what was verified) or ``INTERNAL`` naming the violated invariant.
+
+Staging handshake (protocol 2). ZeroMQ cannot pass file descriptors nor say who the peer is, so a
+Unix *stream* socket beside the ZeroMQ socket does both (``P.hs`` for ``ipc://P``; the
+``handshake_socket`` config key otherwise; PING tells its path). A client connects, sends one
+msgpack map ``{v: 2, kind: "memfd" | "cuda_ipc" | "inline", nbytes: int}`` (at most
+``MAX_HANDSHAKE_BYTES``) and, for ``memfd`` only, exactly one descriptor by SCM_RIGHTS in the same
+``sendmsg``. The daemon reads the peer's uid/gid/pid with SO_PEERCRED, verifies a memfd before
+mapping it (regular file, sealed against shrinking and growing, not against writing, exactly
+``nbytes`` bytes, no holes, not the arena), answers one map ``{status, name, message, ticket:
+bytes(16), expires_s: float}`` and closes the connection. The ticket is random, one-time, bound to
+the kind, and expires after ``expires_s`` (an unused memfd mapping is then closed); HELLO presents
+it. A connection that sends nothing, garbage or too much within the handshake deadline is closed
+without blocking anyone else.
 """
 
 from __future__ import annotations
@@ -41,7 +63,14 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+
+#: Largest handshake message (the msgpack map) the daemon reads; a longer one is refused.
+MAX_HANDSHAKE_BYTES = 4096
+#: Length of a staging ticket (random bytes).
+TICKET_BYTES = 16
+#: Staging kinds of the handshake (and of HELLO's ``staging``).
+STAGING_KINDS = ("memfd", "cuda_ipc", "inline")
 
 #: Longest chunk key the daemon accepts (DESIGN.md: chunk hashes are opaque bytes, at most 64).
 MAX_KEY_BYTES = 64

@@ -1,76 +1,123 @@
-"""Client staging buffers as the daemon sees them: opened once per session, bounds-checked.
+"""Client staging buffers as the daemon sees them: verified before mapping, bounds-checked per item.
 
 The seam every staging kind implements (the copy threads call the two copies):
 
-* ``check_size()`` before each batch, ``check_range(offset, nbytes)`` per item (None when inside),
+* ``check_range(offset, nbytes)`` per item (None when inside),
 * ``copy_in(offset, arena, segments) -> checksum``: staging ``[offset, offset + sum(lengths))`` →
   the arena ``segments`` (byte ranges in payload order), returning the payload's xxh3-128,
 * ``copy_out(arena, segments, offset)``: the reverse,
 * ``close()`` once no copy uses it.
 
-A client on the same host registers a shared-memory file it created under /dev/shm (name pattern
-``kvtier-stg-*``) in HELLO; the daemon maps it and copies between it and its tiers. Every
-``(offset, nbytes)`` of a request is checked against the registered size before any copy. The client
-may unlink the file once HELLO is answered: the mapping keeps the memory alive, and nothing is left in
-/dev/shm if either side dies.
+A client on the same host hands over a memfd by SCM_RIGHTS in the staging handshake
+(``kvtierd.server.handshake``); ``MemfdStaging`` checks it *before* mapping it, because a mapping
+whose pages disappear raises SIGBUS in the daemon on the next copy, killing it for every tenant:
+
+* a regular file that is not the arena (a hard link to the arena would let a client write into
+  every tenant's chunks);
+* sealed with F_SEAL_SHRINK and F_SEAL_GROW (seals can never be removed, so the size announced is
+  the size for the mapping's life: a later ``ftruncate`` fails with EPERM). Only memfds can carry
+  these seals; a /dev/shm file reports F_SEAL_SEAL alone, a disk file or a pipe cannot be sealed;
+* not sealed with F_SEAL_WRITE / F_SEAL_FUTURE_WRITE (GET writes into it);
+* exactly the announced size, in 1..max_staging_bytes;
+* no holes: ``SEEK_HOLE`` from 0 finds none before the end and ``st_blocks`` covers the size, so
+  every page is allocated (and charged to the client) before the daemon touches it — a sparse
+  buffer would make the daemon allocate the client's memory at copy time, where a failure is a
+  SIGBUS. Linux reports an fallocated page that was never written as a hole, so clients fill it.
+
+Since the size cannot change, no per-batch size re-check is needed (protocol 1's named files
+needed one and could still lose the race). The fd is closed once mapped: the mapping keeps the
+memory alive, and nothing of a client's staging has a name anywhere.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
-import re
 import stat
-from pathlib import Path
 
 from kvtierd.copy import memcpy
 from kvtierd.protocol import ProtocolError, Status
 from kvtierd.tiers.arena import Arena
 
-SHM_DIR = Path("/dev/shm")
-NAME_PATTERN = re.compile(r"^kvtier-stg-[A-Za-z0-9_.-]{1,200}$")
+F_SEAL_SEAL = getattr(fcntl, "F_SEAL_SEAL", 0x0001)
+F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
+F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
+F_SEAL_WRITE = getattr(fcntl, "F_SEAL_WRITE", 0x0008)
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; not in fcntl
+F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+REQUIRED_SEALS = F_SEAL_SHRINK | F_SEAL_GROW
+FORBIDDEN_SEALS = F_SEAL_WRITE | F_SEAL_FUTURE_WRITE
 
 
-class ShmStaging:
-    """A client's shared-memory staging buffer, mapped read-write by the daemon."""
+def _refuse(message: str) -> ProtocolError:
+    return ProtocolError(Status.BAD_HANDLE, message)
 
-    kind = "shm"
 
-    def __init__(self, name: str, nbytes: int, max_bytes: int) -> None:
-        if not isinstance(name, str) or not NAME_PATTERN.match(name):
-            raise ProtocolError(
-                Status.BAD_HANDLE,
-                f"staging name {name!r} is not allowed; expected a /dev/shm file name matching "
-                f"{NAME_PATTERN.pattern}",
-            )
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 < nbytes <= max_bytes:
-            raise ProtocolError(
-                Status.BAD_HANDLE, f"staging nbytes {nbytes!r} must be an int in 1..{max_bytes}"
-            )
+def verify_memfd(fd: int, nbytes: object, max_bytes: int, arena_inode: tuple[int, int]) -> int:
+    """Check that ``fd`` is staging the daemon can map safely; return its size or raise
+    BAD_HANDLE naming what is wrong and what is allowed."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 < nbytes <= max_bytes:
+        raise _refuse(f"staging nbytes {nbytes!r:.40} must be an int in 1..{max_bytes}")
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise _refuse(f"staging fd is a {_file_type(info.st_mode)}, not a memfd; allowed: a "
+                      "sealed memfd (memfd_create with MFD_ALLOW_SEALING)")
+    if (info.st_dev, info.st_ino) == arena_inode:
+        raise _refuse("staging fd is the daemon's own arena; allowed: a memfd of your own")
+    try:
+        seals = fcntl.fcntl(fd, F_GET_SEALS)
+    except OSError as exc:
+        raise _refuse(f"staging fd cannot carry seals ({exc.strerror}): it is not a memfd; "
+                      "allowed: a sealed memfd (memfd_create with MFD_ALLOW_SEALING)") from None
+    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+        raise _refuse(f"staging memfd seals are {_seal_names(seals)}; required: F_SEAL_SHRINK and "
+                      "F_SEAL_GROW (a /dev/shm file or an unsealed memfd could be truncated)")
+    if seals & FORBIDDEN_SEALS:
+        raise _refuse(f"staging memfd seals are {_seal_names(seals)}; F_SEAL_WRITE and "
+                      "F_SEAL_FUTURE_WRITE are not allowed (GET writes into the buffer)")
+    if info.st_size != nbytes:
+        raise _refuse(f"staging memfd has {info.st_size} bytes, the handshake announced {nbytes}; "
+                      "allowed: exactly the announced size")
+    hole = os.lseek(fd, 0, os.SEEK_HOLE)
+    if hole < nbytes or info.st_blocks * 512 < nbytes:
+        raise _refuse(f"staging memfd has holes (first at byte {hole}, {info.st_blocks * 512} of "
+                      f"{nbytes} bytes allocated); allowed: a memfd fallocated and written in "
+                      "full before the handshake")
+    return nbytes
+
+
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "pipe"), (stat.S_ISSOCK, "socket"), (stat.S_ISDIR,
+                       "directory"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK,
+                       "block device")):
+        if test(mode):
+            return name
+    return f"file of mode {mode:o}"
+
+
+def _seal_names(seals: int) -> str:
+    names = [name for bit, name in ((F_SEAL_SEAL, "F_SEAL_SEAL"), (F_SEAL_SHRINK, "F_SEAL_SHRINK"),
+             (F_SEAL_GROW, "F_SEAL_GROW"), (F_SEAL_WRITE, "F_SEAL_WRITE"),
+             (F_SEAL_FUTURE_WRITE, "F_SEAL_FUTURE_WRITE")) if seals & bit]
+    return "|".join(names) or "none"
+
+
+class MemfdStaging:
+    """A client's verified memfd staging buffer, mapped read-write by the daemon."""
+
+    kind = "memfd"
+
+    def __init__(self, fd: int, nbytes: object, max_bytes: int,
+                 arena_inode: tuple[int, int]) -> None:
+        """Verify and map ``fd`` (the caller keeps ownership of ``fd`` and closes it)."""
+        self.nbytes = verify_memfd(fd, nbytes, max_bytes, arena_inode)
         try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            self._mmap = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
         except OSError as exc:
-            raise ProtocolError(
-                Status.BAD_HANDLE, f"cannot open staging buffer /dev/shm/{name}: {exc.strerror}"
-            ) from None
-        self._fd = fd  # kept: every batch re-checks the size (see check_size)
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise ProtocolError(Status.BAD_HANDLE, f"/dev/shm/{name} is not a regular file")
-            if info.st_size < nbytes:
-                raise ProtocolError(
-                    Status.BAD_HANDLE,
-                    f"staging buffer /dev/shm/{name} has {info.st_size} bytes, "
-                    f"fewer than the {nbytes} announced",
-                )
-            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.name = name
-        self.nbytes = nbytes
+            raise _refuse(f"cannot map the staging memfd: {exc.strerror}") from None
+        self.name = f"memfd:{self.nbytes}"
         self._anchor = ctypes.c_char.from_buffer(self._mmap)
         self.address = ctypes.addressof(self._anchor)
         self.view = memoryview(self._mmap)
@@ -80,22 +127,6 @@ class ShmStaging:
 
     def copy_out(self, arena: Arena, segments: list[tuple[int, int]], offset: int) -> None:
         memcpy.copy_out(arena.address, segments, self.address, offset)
-
-    def check_size(self) -> None:
-        """Refuse a batch if the client shrank its file since HELLO.
-
-        A copy through a mapping whose file was truncated would raise SIGBUS and kill the daemon.
-        This check catches a buggy client; a client racing a truncate against its own in-flight
-        request can still win (named /dev/shm files cannot be sealed) — sealed memfds passed over
-        SCM_RIGHTS are the fix for that threat.
-        """
-        size = os.fstat(self._fd).st_size
-        if size < self.nbytes:
-            raise ProtocolError(
-                Status.BAD_HANDLE,
-                f"staging buffer /dev/shm/{self.name} shrank to {size} bytes since HELLO "
-                f"({self.nbytes} announced); nothing was copied",
-            )
 
     def check_range(self, offset: object, nbytes: object) -> str | None:
         """Why ``(offset, nbytes)`` is not inside the buffer, or None when it is."""
@@ -114,4 +145,3 @@ class ShmStaging:
         self.view.release()
         del self._anchor
         self._mmap.close()
-        os.close(self._fd)

@@ -1,8 +1,9 @@
 """CUDA IPC staging: a client's device buffer, opened once per session, copied with DMA.
 
-Implements the staging seam of ``kvtierd.staging`` (``check_size``, ``check_range``, ``copy_in``,
-``copy_out``, ``close``). HELLO carries ``{"kind": "cuda_ipc", "handle": <64-byte
-cudaIpcMemHandle_t>, "nbytes": int, "device": int, "pci_bus_id": str (optional)}``; the daemon
+Implements the staging seam of ``kvtierd.staging`` (``check_range``, ``copy_in``, ``copy_out``,
+``close``). HELLO carries ``{"kind": "cuda_ipc", "ticket": bytes, "handle": <64-byte
+cudaIpcMemHandle_t>, "nbytes": int, "device": int, "pci_bus_id": str (optional)}``; the ticket of a
+``cuda_ipc`` staging handshake gives the session its peer's credentials (``OpHandlers``); the daemon
 opens the handle once (``cudaIpcOpenMemHandle``, on the device with that PCI bus id when given, as
 device numbers differ between processes under ``CUDA_VISIBLE_DEVICES``) and closes it when the
 session ends and no copy uses it any more.
@@ -10,8 +11,8 @@ session ends and no copy uses it any more.
 Copies are ``cudaMemcpyAsync`` on one stream per device, one per contiguous run of arena bytes
 (adjacent arena runs are merged; runs are cut where a pinned piece ends, see ``tiers.pinning``).
 Each call records an event behind its own copies and waits for it, so copy threads sharing the
-stream wait only for what they need. ``copy_in`` then hashes the arena bytes (xxh3-128) as the shm
-path does. A daemon without CuPy or a GPU refuses the HELLO with BAD_HANDLE and the reason.
+stream wait only for what they need. ``copy_in`` then hashes the arena bytes (xxh3-128) as the
+memfd path does. A daemon without CuPy or a GPU refuses the HELLO with BAD_HANDLE and the reason.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class CudaIpcStaging:
             raise ProtocolError(
                 Status.BAD_HANDLE,
                 f"staging kind 'cuda_ipc' needs a daemon with CUDA; this one has none ({reason}): "
-                "use 'shm' staging, or install CuPy (kvtierd[cuda]) where a GPU is visible",
+                "use 'memfd' staging, or install CuPy (kvtierd[cuda]) where a GPU is visible",
             )
         import cupy  # noqa: PLC0415
 
@@ -151,9 +152,6 @@ class CudaIpcStaging:
         _counts["opened_total"] += 1
         self.piece_bytes = piece_bytes
         self._stream = _stream(cupy, self.device)
-
-    def check_size(self) -> None:
-        """A device allocation cannot shrink: nothing to re-check per batch."""
 
     def check_range(self, offset: object, nbytes: object) -> str | None:
         return check_range(offset, nbytes, self.nbytes)

@@ -44,9 +44,12 @@ from kvtierd.protocol import (
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
+from kvtierd.server.handshake import HandshakeServer
 from kvtierd.server.movement import TierMover
 from kvtierd.server.sessions import SessionTable
 from kvtierd.tenants import TenantTable
+from kvtierd.server.tickets import TicketBook
+from kvtierd.staging import MemfdStaging
 from kvtierd.tiers.arena import SHM_DIR, Arena
 from kvtierd.tiers.index_db import ChunkIndexDB
 from kvtierd.tiers.cpu import CpuTier
@@ -60,6 +63,7 @@ DRAIN_MAX = 256  # requests handled per poll wake-up before housekeeping gets a 
 PROBE_DELAYS_S = (0.0, 0.2, 1.0)  # a disconnect is probed at once and again, as pipes close late
 NOTICE = pack(reply(0, Status.OK, notice="probe"))
 NEEDS_SESSION = {Op.LOOKUP, Op.PUT, Op.GET, Op.DELETE, Op.BYE}
+MAX_TICKETS = 256  # handshakes awaiting their HELLO (each may hold a client's mapping)
 LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
 
 
@@ -76,8 +80,10 @@ class Daemon:
         self.metrics.info.labels(__version__, str(PROTOCOL_VERSION)).set(1)
         started = time.perf_counter()
         if cfg.ipc_path is not None:
-            cfg.ipc_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _prepare_socket_dir(cfg.ipc_path.parent, cfg.socket_mode_bits)
             _claim_ipc_path(cfg.ipc_path)  # before touching a persistent arena another one uses
+        _prepare_socket_dir(cfg.handshake_path.parent, cfg.socket_mode_bits)
+        _claim_ipc_path(cfg.handshake_path)
         self.arena = Arena(
             cfg.resolved_arena_name(), cfg.cpu_bytes, prefault=cfg.prefault, lock=cfg.mlock,
             persistent=cfg.cpu_persistent,
@@ -113,8 +119,14 @@ class Daemon:
         self.metrics.add_tiers(self.mover.tier_stats)
         self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s)
         accounting = Accounting(self.metrics)
+        self.tickets = TicketBook(cfg.ticket_timeout_s, MAX_TICKETS)
         self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting,
-                                   self.tenants)
+                                   self.tickets, self.tenants)
+        self.handshake = HandshakeServer(
+            cfg.handshake_path, cfg.socket_mode_bits, self.tickets,
+            lambda fd, nbytes: MemfdStaging(fd, nbytes, cfg.max_staging_bytes, self.arena.inode),
+            cfg.max_staging_bytes)
+        self.handlers.handshake_stats = self.handshake.counts
         self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
         self._ready_sent = False
         self._pinned_reported = -1
@@ -223,6 +235,10 @@ class Daemon:
         self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.bind(self.cfg.socket)
         self.socket = sock
+        if self.cfg.ipc_path is not None:
+            os.chmod(self.cfg.ipc_path, self.cfg.socket_mode_bits)
+        self.handshake.bind()
+        self.handshake.start()
 
     def _loop(self) -> None:
         assert self.socket is not None
@@ -302,6 +318,7 @@ class Daemon:
         for session in self.sessions.expire(now):
             self.metrics.sessions_closed.labels("timeout").inc()
         self.metrics.sessions.set(len(self.sessions))
+        self.tickets.expire(now)
         self.tier.enforce_watermarks()
         self.mover.flush()
         if self.data.waiting:
@@ -322,6 +339,8 @@ class Daemon:
             self._drain_completions()
             self._drain_io()
             self.mover.flush()
+        self.handshake.close()
+        self.tickets.close_all()
         self.sessions.close_all("daemon stopping")
         self.engine.close()
         self.io_engine.close()
@@ -435,6 +454,22 @@ class Daemon:
                 raise
 
 
+def _prepare_socket_dir(directory: Path, mode: int) -> None:
+    """Create the socket directory (0700) and add the search bits ``mode`` needs (a socket's
+    group/other read-write bits are useless without search on its directory); never removes
+    bits from a directory that has them (e.g. /tmp or /run)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    wanted = (0o010 if mode & 0o060 else 0) | (0o001 if mode & 0o006 else 0)
+    current = directory.stat().st_mode & 0o7777
+    if current & wanted == wanted:
+        return
+    try:
+        os.chmod(directory, current | wanted)
+    except OSError as exc:
+        log.warning("cannot add search bits %o to socket directory %s (%s): other users may not "
+                    "reach the sockets", wanted, directory, exc.strerror)
+
+
 def _claim_ipc_path(path: Path) -> None:
     """Remove a stale socket file left by a dead daemon; refuse to steal a live one."""
     if not path.exists():
@@ -449,4 +484,4 @@ def _claim_ipc_path(path: Path) -> None:
         raise AlreadyServing(f"{path} exists and is not a usable socket: {exc}") from None
     finally:
         probe.close()
-    raise AlreadyServing(f"another kvtierd is already serving at ipc://{path}")
+    raise AlreadyServing(f"another kvtierd is already serving at {path}")

@@ -164,10 +164,7 @@ class DataOps:
     def get(self, session: Session, header: dict, frames: list) -> dict | None:
         items = requests.items(header, self.cfg.max_batch)
         batch = self._batch(session, Op.GET, header)
-        inline = session.staging is None
-        if not inline:
-            session.staging.check_size()
-        else:
+        if session.staging is None:
             batch.out_frames = [b""] * len(items)
         jobs: list[tuple[int, ChunkEntry, Any]] = []
         for i, (key, offset, nbytes) in enumerate(items):
@@ -252,9 +249,9 @@ class DataOps:
         return Batch(session, op, header.get("id"), time.perf_counter(), [0] * count, [])
 
     def _check_frames(self, session: Session, items: list, frames: list) -> None:
-        if session.staging is not None:
-            session.staging.check_size()
-        elif len(frames) != len(items):
+        # Shared staging needs no per-batch size check: a memfd is sealed against shrinking and a
+        # device allocation cannot shrink (kvtierd.staging).
+        if session.staging is None and len(frames) != len(items):
             raise ProtocolError(
                 Status.BAD_REQUEST,
                 f"an inline PUT needs one payload frame per item: {len(items)} items, "

@@ -17,12 +17,20 @@ from kvtierd.config import Config
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.peer import Peer
-from kvtierd.protocol import MAX_KEY_BYTES, PROTOCOL_VERSION, ProtocolError, Status, Tier
+from kvtierd.protocol import (
+    MAX_KEY_BYTES,
+    PROTOCOL_VERSION,
+    STAGING_KINDS,
+    ProtocolError,
+    Status,
+    Tier,
+)
 from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.movement import TierMover
 from kvtierd.server.sessions import Session, SessionTable
-from kvtierd.staging import ShmStaging
+from kvtierd.server.tickets import TicketBook
+from kvtierd.staging import MemfdStaging
 from kvtierd.staging_cuda import CudaIpcStaging
 from kvtierd.tenants import OTHER_LABEL, TenantTable
 
@@ -37,6 +45,7 @@ class OpHandlers:
         sessions: SessionTable,
         metrics: DaemonMetrics,
         accounting: Accounting,
+        tickets: TicketBook,
         tenants: TenantTable,
     ) -> None:
         self.cfg = cfg
@@ -46,6 +55,8 @@ class OpHandlers:
         self.sessions = sessions
         self.metrics = metrics
         self.accounting = accounting
+        self.tickets = tickets
+        self.handshake_stats: dict[str, int] = {}  # the handshake server's counts (STATS)
         self.ghosts = GhostCaches([], cfg.page_bytes)  # the daemon sets the real ones
         self.started_at = time.time()
         self.metrics_address: str = ""
@@ -60,19 +71,20 @@ class OpHandlers:
         fingerprint = requests.text(header, "fingerprint", requests.MAX_FINGERPRINT_CHARS)
         staging_spec = requests.field(header, "staging", dict, "a staging handle map")
         client = requests.client_map(header)
-        # Kernel-reported credentials come with the staging handshake; without one (today every
-        # session) only a tenant token can place the session outside "anonymous".
-        peer: Peer | None = None
+        # The peer's kernel-reported credentials come with the ticket of its staging handshake;
+        # without one (an inline client over TCP) only a tenant token places it outside
+        # "anonymous". Opened last: nothing after it can refuse the HELLO.
+        staging, peer = self._open_staging(staging_spec)
         assigned = self.tenants.resolve(peer, token)
-        staging = self._open_staging(staging_spec)
         session = Session(identity, assigned.tenant, namespace, rank, world_size, fingerprint,
                           staging, client, peer=peer)
         self.sessions.add(session)
         self.metrics.sessions.set(len(self.sessions))
         log.info(
-            "session %d: tenant %s (%s) namespace %s rank %d/%d staging %s pid %s", session.id,
+            "session %d: tenant %s (%s) namespace %s rank %d/%d staging %s peer %s", session.id,
             assigned.tenant, assigned.reason, namespace, rank, world_size,
-            staging.name if staging else "inline", client.get("pid"),
+            staging.name if staging else "inline",
+            peer.describe() if peer else "unknown (no handshake)",
         )
         return {
             "session": session.id,
@@ -110,17 +122,28 @@ class OpHandlers:
             "max_staging_bytes": self.cfg.max_staging_bytes,
         }
 
-    def _open_staging(self, spec: dict) -> ShmStaging | CudaIpcStaging | None:
+    def _open_staging(self, spec: dict) -> tuple[MemfdStaging | CudaIpcStaging | None,
+                                                   Peer | None]:
+        """The session's staging and peer, from the ticket of its handshake."""
         kind = spec.get("kind")
-        if kind == "inline":
-            return None
         if kind == "shm":
-            return ShmStaging(spec.get("name"), spec.get("nbytes"), self.cfg.max_staging_bytes)
-        if kind == "cuda_ipc":  # refused with the reason when this daemon has no CUDA
-            return CudaIpcStaging(spec, self.cfg.max_staging_bytes)
-        raise ProtocolError(
-            Status.BAD_HANDLE, f"staging kind {kind!r} is unknown; allowed: shm, cuda_ipc, inline"
-        )
+            raise ProtocolError(Status.BAD_HANDLE, "shm staging by name was removed in protocol "
+                                "2; use the handshake (memfd)")
+        if kind not in STAGING_KINDS:
+            raise ProtocolError(Status.BAD_HANDLE, f"staging kind {kind!r:.40} is unknown; "
+                                f"allowed: {', '.join(STAGING_KINDS)}")
+        if kind == "inline":
+            if spec.get("ticket") is None:
+                return None, None  # e.g. a remote TCP client: no credentials
+            return None, self.tickets.take(spec.get("ticket"), kind).peer
+        ticket = self.tickets.take(spec.get("ticket"), kind)
+        if kind == "memfd":
+            return ticket.staging, ticket.peer
+        if spec.get("nbytes") != ticket.nbytes:
+            raise ProtocolError(Status.BAD_HANDLE, f"cuda_ipc nbytes {spec.get('nbytes')!r:.40} "
+                                f"differs from the {ticket.nbytes} of its handshake")
+        # refused with the reason when this daemon has no CUDA
+        return CudaIpcStaging(spec, self.cfg.max_staging_bytes), ticket.peer
 
     def bye(self, session: Session, header: dict, frames: list) -> dict:
         self.sessions.close(session, "bye")
@@ -129,7 +152,7 @@ class OpHandlers:
         return {}
 
     def ping(self, session: Session | None, header: dict, frames: list) -> dict:
-        return {}
+        return {"handshake": str(self.cfg.handshake_path)}
 
     # -- index -----------------------------------------------------------------------------------
     def lookup(self, session: Session, header: dict, frames: list) -> dict:
@@ -185,6 +208,8 @@ class OpHandlers:
                 "tiers": dict(self.mover.tier_stats()),
                 "tenants": self.tenant_stats(),
                 "sessions": len(self.sessions),
+                "handshake": {"socket": str(self.cfg.handshake_path), "tickets": len(self.tickets),
+                              **self.handshake_stats},
                 "counts": dict(self.accounting.counts),
                 "ghosts": self.ghosts.stats(),
                 "cuda": {"pinning": self.pinning() if self.pinning else None,

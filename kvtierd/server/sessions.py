@@ -11,10 +11,10 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Any, Hashable
 
 from kvtierd.peer import Peer
-from kvtierd.staging import ShmStaging
+from kvtierd.staging import MemfdStaging
 from kvtierd.tiers.chunk import ChunkEntry
 from kvtierd.tiers.cpu import CpuTier
 
@@ -31,7 +31,7 @@ class Session:
     rank: int
     world_size: int
     fingerprint: str
-    staging: ShmStaging | None  # None: inline payload frames
+    staging: MemfdStaging | Any | None  # MemfdStaging, CudaIpcStaging; None: inline frames
     client: dict
     # Kernel-reported credentials from the staging handshake; None without one (inline over TCP).
     peer: Peer | None = None

@@ -59,6 +59,8 @@ class Arena:
                 self.path.unlink(missing_ok=True)
             raise
         self._fd = fd  # holds the flock for the daemon's lifetime
+        info = os.fstat(fd)
+        self.inode = (info.st_dev, info.st_ino)  # staging must never be the arena (a hard link)
         self._anchor = ctypes.c_char.from_buffer(self._mmap)
         self.address = ctypes.addressof(self._anchor)
         self.view = memoryview(self._mmap)

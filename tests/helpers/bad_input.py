@@ -1,10 +1,9 @@
-"""Shared pieces of the bad-input tests: staging buffers with a sentinel tail, raw sessions, and a
-*bystander* session whose chunk must survive every bad input byte-exact."""
+"""Shared pieces of the bad-input tests: raw sessions over memfd staging (``helpers.handshake``),
+and a *bystander* session whose chunk must survive every bad input byte-exact."""
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import secrets
 import signal
@@ -13,6 +12,7 @@ from typing import Any, Callable, Iterator
 
 import msgpack
 from helpers.daemon import DaemonProcess
+from helpers.handshake import MemfdBuffer
 from helpers.raw import RawClient
 
 from kvtierd.protocol import Op, Status
@@ -22,52 +22,16 @@ POISON = 0xEE
 SENTINEL = 0x5A
 
 
-class ShmBuffer:
-    """A client staging file in /dev/shm, mapped here; ``slack`` bytes past the announced size."""
-
-    def __init__(self, nbytes: int, slack: int = 0, fill: int = 0) -> None:
-        self.name = f"kvtier-stg-test-{secrets.token_hex(8)}"
-        self.path = SHM / self.name
-        self.nbytes = nbytes
-        self.size = nbytes + slack
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, self.size)
-            self.mm = mmap.mmap(fd, self.size)
-        finally:
-            os.close(fd)
-        if fill:
-            self.fill(fill)
-
-    def handle(self, nbytes: int | None = None) -> dict:
-        size = self.nbytes if nbytes is None else nbytes
-        return {"kind": "shm", "name": self.name, "nbytes": size}
-
-    def fill(self, byte: int, start: int = 0, end: int | None = None) -> None:
-        end = self.size if end is None else end
-        self.mm[start:end] = bytes([byte]) * (end - start)
-
-    def write(self, offset: int, data: bytes) -> None:
-        self.mm[offset : offset + len(data)] = data
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        return bytes(self.mm[offset : offset + nbytes])
-
-    def close(self) -> None:
-        if not self.mm.closed:
-            self.mm.close()
-        self.path.unlink(missing_ok=True)
-
-
 class Session:
-    """A raw client that said HELLO (shm staging if given, else inline)."""
+    """A raw client that said HELLO (memfd staging handed over by the handshake if given, else
+    inline)."""
 
-    def __init__(self, address: str, namespace: str, *, staging: ShmBuffer | None = None,
+    def __init__(self, address: str, namespace: str, *, staging: MemfdBuffer | None = None,
                  fingerprint: str = "fp-a", rank: int = 0, timeout_s: float = 10.0,
                  **extra: Any) -> None:
         self.raw = RawClient(address, timeout_s=timeout_s)
         self.staging = staging
-        spec = staging.handle() if staging is not None else {"kind": "inline"}
+        spec = staging.hello_staging(address) if staging is not None else {"kind": "inline"}
         extra.setdefault("world_size", rank + 1)
         reply, _ = self.raw.request(Op.HELLO, namespace=namespace, rank=rank,
                                     fingerprint=fingerprint, staging=spec, **extra)
@@ -119,9 +83,10 @@ def send_raw(raw: RawClient, frames: list[bytes]) -> dict:
 
 
 @contextlib.contextmanager
-def bystander(daemon: DaemonProcess, shm: Callable[..., ShmBuffer], **hello: Any) -> Iterator[None]:
+def bystander(daemon: DaemonProcess, memfd: Callable[..., MemfdBuffer], **hello: Any
+              ) -> Iterator[None]:
     """A well-behaved session stores a random chunk before the block and reloads it after."""
-    buf = shm(256 * 1024)
+    buf = memfd(256 * 1024)
     s = Session(daemon.address, f"bystander-{secrets.token_hex(6)}", staging=buf, **hello)
     try:
         data = os.urandom(150_000)  # three 64 KiB pages, the last one partly used

@@ -6,17 +6,19 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 import pytest
-from helpers.bad_input import LIMITS_TOML, Session, ShmBuffer, start_daemon, write_toml
+from helpers.bad_input import LIMITS_TOML, Session, start_daemon, write_toml
 from helpers.daemon import DaemonProcess
+from helpers.handshake import MemfdBuffer
 
 
 @pytest.fixture
-def shm() -> Iterator[Callable[..., ShmBuffer]]:
-    """Factory of staging buffers; every file is unmapped and removed at teardown."""
-    made: list[ShmBuffer] = []
+def memfd() -> Iterator[Callable[..., MemfdBuffer]]:
+    """Factory of memfd staging buffers (``MemfdBuffer``); every one is unmapped and closed at
+    teardown."""
+    made: list[MemfdBuffer] = []
 
-    def make(nbytes: int, slack: int = 0, fill: int = 0) -> ShmBuffer:
-        buf = ShmBuffer(nbytes, slack, fill)
+    def make(nbytes: int, fill: int = 0, **options: Any) -> MemfdBuffer:
+        buf = MemfdBuffer(nbytes, fill, **options)
         made.append(buf)
         return buf
 

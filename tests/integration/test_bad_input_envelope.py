@@ -1,18 +1,16 @@
 """Bad input from a client: every case gets a clear answer and hurts nobody else (each case also
 checks a bystander session, see tests/helpers/bad_input.py). This file: the message envelope,
-HELLO and its staging handles, auth.
+HELLO and its staging maps (tickets), auth.
 """
 
 from __future__ import annotations
 
 import random
 import secrets
-from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.bad_input import (
-    SHM,
     packed,
     bystander,
     namespace,
@@ -21,6 +19,7 @@ from helpers.bad_input import (
     write_toml,
 )
 from helpers.daemon import DaemonProcess
+from helpers.handshake import ticket
 from helpers.raw import RawClient
 
 from kvtierd.protocol import PROTOCOL_VERSION, Op, Status
@@ -33,9 +32,11 @@ MALFORMED = {
     "random-bytes-1": (random.Random(1).randbytes(64), None, "not valid msgpack"),
     "random-bytes-2": (random.Random(2).randbytes(300), None, "not valid msgpack"),
     "reserved-byte": (b"\xc1", None, "not valid msgpack"),
-    "truncated-map": (packed({"v": 1, "op": 2, "id": 5})[:-1], None, "not valid msgpack"),
+    "truncated-map": (packed({"v": PROTOCOL_VERSION, "op": 2, "id": 5})[:-1], None,
+                      "not valid msgpack"),
     "huge-array-length": (b"\xdd\xff\xff\xff\xff", None, "not valid msgpack"),
-    "trailing-garbage": (packed({"v": 1, "op": 2, "id": 5}) + b"\x00", None, "not valid msgpack"),
+    "trailing-garbage": (packed({"v": PROTOCOL_VERSION, "op": 2, "id": 5}) + b"\x00", None,
+                         "not valid msgpack"),
     "list-not-map": (packed([1, 2, 5]), None, "must be a msgpack map, got list"),
     "int-not-map": (packed(7), None, "must be a msgpack map, got int"),
     "int-map-keys": (packed({1: 1, 2: 2}), None, "not valid msgpack"),
@@ -53,9 +54,9 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-def test_malformed_header_is_bad_message(shared, shm, case):
+def test_malformed_header_is_bad_message(shared, memfd, case):
     frame, reply_id, fragment = MALFORMED[case]
-    with bystander(shared, shm):
+    with bystander(shared, memfd):
         raw = RawClient(shared.address)
         try:
             reply = send_raw(raw, [frame])
@@ -70,8 +71,8 @@ def test_malformed_header_is_bad_message(shared, shm, case):
 
 
 @pytest.mark.parametrize("op", [99, 0, -1, "PUT", 2**40])
-def test_unknown_op(shared, shm, op):
-    with bystander(shared, shm):
+def test_unknown_op(shared, memfd, op):
+    with bystander(shared, memfd):
         raw = RawClient(shared.address)
         try:
             reply = send_raw(raw, [packed({"v": PROTOCOL_VERSION, "op": op, "id": 12})])
@@ -82,12 +83,12 @@ def test_unknown_op(shared, shm, op):
             raw.close()
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", None, "missing"])
-def test_unsupported_protocol_version(shared, shm, version):
+@pytest.mark.parametrize("version", [1, 3, 0, "2", None, "missing"])
+def test_unsupported_protocol_version(shared, memfd, version):
     header = {"op": int(Op.PING), "id": 41}
     if version != "missing":
         header["v"] = version
-    with bystander(shared, shm):
+    with bystander(shared, memfd):
         raw = RawClient(shared.address)
         try:
             reply = send_raw(raw, [packed(header)])
@@ -107,8 +108,8 @@ def test_unsupported_protocol_version(shared, shm, version):
     (Op.DELETE, {"keys": [b"bystander-chunk"]}),
     (Op.BYE, {}),
 ], ids=["LOOKUP", "PUT", "GET", "DELETE", "BYE"])
-def test_ops_before_hello_need_a_session(shared, shm, op, fields):
-    with bystander(shared, shm):
+def test_ops_before_hello_need_a_session(shared, memfd, op, fields):
+    with bystander(shared, memfd):
         raw = RawClient(shared.address)
         try:
             frames = [b"x" * 4096] if op is Op.PUT else None
@@ -177,15 +178,15 @@ HELLO_BAD_FIELDS = {
     "namespace-missing": ({"namespace": _DROP}, ["'namespace'", "missing"]),
     "fingerprint-empty": ({"fingerprint": ""}, ["fingerprint", "1..128"]),
     "fingerprint-int": ({"fingerprint": 3}, ["'fingerprint'", "3"]),
-    "staging-str": ({"staging": "shm"}, ["'staging'", "'shm'"]),
+    "staging-str": ({"staging": "memfd"}, ["'staging'", "'memfd'"]),
     "staging-missing": ({"staging": _DROP}, ["'staging'", "missing"]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(HELLO_BAD_FIELDS))
-def test_hello_with_wrong_field_is_bad_request(shared, shm, case):
+def test_hello_with_wrong_field_is_bad_request(shared, memfd, case):
     overrides, fragments = HELLO_BAD_FIELDS[case]
-    with bystander(shared, shm):
+    with bystander(shared, memfd):
         sessions_before = shared.stats()["sessions"]
         raw = RawClient(shared.address)
         try:
@@ -199,100 +200,77 @@ def test_hello_with_wrong_field_is_bad_request(shared, shm, case):
             raw.close()
 
 
-def _staging_case(case: str, shared: DaemonProcess, shm, cleanup: list[Path]):
-    """(staging spec, message fragments) for one bad handle."""
-    if case == "slash":
-        return {"kind": "shm", "name": "../kvtier-stg-x", "nbytes": 4096}, ["'../kvtier-stg-x'"]
-    if case == "slash-inside":
-        name = "kvtier-stg-a/../../../etc/passwd"
-        return {"kind": "shm", "name": name, "nbytes": 4096}, [repr(name), "not allowed"]
-    if case == "dotdot":
-        return {"kind": "shm", "name": "..", "nbytes": 4096}, ["'..'", "not allowed"]
-    if case == "dotdot-suffix":  # a legal-looking name that is no file: cannot be opened
-        name = "kvtier-stg-.."
-        return {"kind": "shm", "name": name, "nbytes": 4096}, [f"/dev/shm/{name}"]
-    if case == "daemon-arena":
-        name = shared.arena_name
-        assert (SHM / name).exists()
-        return {"kind": "shm", "name": name, "nbytes": 4096}, [repr(name), "not allowed"]
-    if case == "name-not-str":
-        return {"kind": "shm", "name": 12, "nbytes": 4096}, ["12", "not allowed"]
-    if case == "name-missing":
-        return {"kind": "shm", "nbytes": 4096}, ["None", "not allowed"]
-    if case == "nonexistent":
-        name = f"kvtier-stg-test-missing-{secrets.token_hex(6)}"
-        return {"kind": "shm", "name": name, "nbytes": 4096}, [f"/dev/shm/{name}", "cannot open"]
-    if case == "smaller-than-announced":
-        buf = shm(4096)
-        return buf.handle(nbytes=8192), [buf.name, "4096 bytes", "8192 announced"]
-    if case == "nbytes-zero":
-        return shm(4096).handle(nbytes=0), ["staging nbytes 0"]
-    if case == "nbytes-negative":
-        return shm(4096).handle(nbytes=-4096), ["staging nbytes -4096"]
-    if case == "nbytes-str":
-        return shm(4096).handle(nbytes="4096"), ["staging nbytes '4096'"]
-    if case == "nbytes-missing":
-        spec = shm(4096).handle()
-        del spec["nbytes"]
-        return spec, ["staging nbytes None"]
-    if case == "symlink":
-        target = shm(4096)
-        link = SHM / f"kvtier-stg-test-link-{secrets.token_hex(6)}"
-        link.symlink_to(target.path)
-        cleanup.append(link)
-        return {"kind": "shm", "name": link.name, "nbytes": 4096}, [link.name, "cannot open"]
-    if case == "directory":
-        path = SHM / f"kvtier-stg-test-dir-{secrets.token_hex(6)}"
-        path.mkdir()
-        cleanup.append(path)
-        return {"kind": "shm", "name": path.name, "nbytes": 4096}, [path.name]
+def _staging_case(case: str, shared: DaemonProcess, memfd):
+    """(staging spec, message fragments) for one bad HELLO staging map (the handshake's own
+    refusals are in test_staging_handshake.py)."""
+    cuda = {"handle": b"\x00" * 64, "nbytes": 4096, "device": 0}
+    if case == "shm-by-name":  # protocol 1's named /dev/shm staging
+        return {"kind": "shm", "name": "kvtier-stg-x", "nbytes": 4096}, [
+            "shm staging by name was removed in protocol 2", "handshake (memfd)"]
+    if case == "memfd-no-ticket":
+        return {"kind": "memfd"}, ["staging ticket None", "16 bytes"]
+    if case == "memfd-ticket-short":
+        return {"kind": "memfd", "ticket": b"t" * 15}, ["staging ticket b'ttt", "16 bytes"]
+    if case == "memfd-ticket-str":
+        return {"kind": "memfd", "ticket": "t" * 16}, ["staging ticket 'ttt", "16 bytes"]
+    if case == "memfd-ticket-unknown":
+        return {"kind": "memfd", "ticket": secrets.token_bytes(16)}, ["ticket is unknown"]
+    if case == "memfd-ticket-of-inline":
+        return {"kind": "memfd", "ticket": ticket(shared.address, "inline")}, [
+            "issued for kind 'inline'", "'memfd'"]
+    if case == "inline-ticket-unknown":
+        return {"kind": "inline", "ticket": secrets.token_bytes(16)}, ["ticket is unknown"]
+    if case == "inline-ticket-of-memfd":
+        buf = memfd(4096)
+        return {"kind": "inline", "ticket": buf.hello_staging(shared.address)["ticket"]}, [
+            "issued for kind 'memfd'", "'inline'"]
+    if case == "cuda-ipc-no-ticket":
+        return {"kind": "cuda_ipc", **cuda}, ["staging ticket None"]
+    if case == "cuda-ipc-nbytes-differs":
+        spec = {"kind": "cuda_ipc", "ticket": ticket(shared.address, "cuda_ipc", 8192), **cuda}
+        return spec, ["cuda_ipc nbytes 4096", "8192 of its handshake"]
     if case == "unknown-kind":
-        return {"kind": "tcp"}, ["staging kind 'tcp' is unknown", "shm", "inline"]
+        return {"kind": "tcp"}, ["staging kind 'tcp' is unknown", "memfd", "inline"]
     if case == "kind-missing":
         return {"name": "kvtier-stg-x", "nbytes": 1}, ["staging kind None is unknown"]
     if case == "cuda-ipc":
-        return {"kind": "cuda_ipc", "handle": b"\x00" * 64, "nbytes": 4096}, ["CUDA", "shm"]
+        spec = {"kind": "cuda_ipc", "ticket": ticket(shared.address, "cuda_ipc", 4096), **cuda}
+        return spec, ["CUDA", "memfd"]
     raise AssertionError(case)
 
 
 STAGING_CASES = [
-    "slash", "slash-inside", "dotdot", "dotdot-suffix", "daemon-arena", "name-not-str",
-    "name-missing", "nonexistent", "smaller-than-announced", "nbytes-zero", "nbytes-negative",
-    "nbytes-str", "nbytes-missing", "symlink", "directory", "unknown-kind", "kind-missing",
-    "cuda-ipc",
+    "shm-by-name", "memfd-no-ticket", "memfd-ticket-short", "memfd-ticket-str",
+    "memfd-ticket-unknown", "memfd-ticket-of-inline", "inline-ticket-unknown",
+    "inline-ticket-of-memfd", "cuda-ipc-no-ticket", "cuda-ipc-nbytes-differs", "unknown-kind",
+    "kind-missing", "cuda-ipc",
 ]
 
 
 @pytest.mark.parametrize("case", STAGING_CASES)
-def test_hello_with_bad_staging_handle(shared, shm, case):
-    cleanup: list[Path] = []
-    try:
-        with bystander(shared, shm):
-            spec, fragments = _staging_case(case, shared, shm, cleanup)
-            sessions_before = shared.stats()["sessions"]
-            raw = RawClient(shared.address)
-            try:
-                reply, _ = raw.request(Op.HELLO, **_hello_fields(staging=spec))
-                assert reply["name"] == "BAD_HANDLE", reply
-                for fragment in fragments:
-                    assert fragment in reply["message"], (fragment, reply)
-                _assert_no_session(raw)
-                assert shared.stats()["sessions"] <= sessions_before
-            finally:
-                raw.close()
-    finally:
-        for path in cleanup:
-            if path.is_dir() and not path.is_symlink():
-                path.rmdir()
-            else:
-                path.unlink(missing_ok=True)
+def test_hello_with_bad_staging_handle(shared, memfd, case):
+    with bystander(shared, memfd):
+        tickets_before = shared.stats()["handshake"]["tickets"]
+        spec, fragments = _staging_case(case, shared, memfd)
+        sessions_before = shared.stats()["sessions"]
+        raw = RawClient(shared.address)
+        try:
+            reply, _ = raw.request(Op.HELLO, **_hello_fields(staging=spec))
+            assert reply["name"] == "BAD_HANDLE", reply
+            for fragment in fragments:
+                assert fragment in reply["message"], (fragment, reply)
+            _assert_no_session(raw)
+            assert shared.stats()["sessions"] <= sessions_before
+            assert shared.stats()["handshake"]["tickets"] <= tickets_before, "a ticket was left"
+        finally:
+            raw.close()
 
 
 # -- auth ------------------------------------------------------------------------------------------
-def test_auth_token_is_required(daemon_factory, tmp_path, shm):
+def test_auth_token_is_required(daemon_factory, tmp_path, memfd):
     config = write_toml(tmp_path / "auth.toml", 'auth_token = "s3cret"\n')
     d = daemon_factory("--config", str(config))
-    with bystander(d, shm, token="s3cret"):
+    with bystander(d, memfd, token="s3cret"):
         raw = RawClient(d.address)
         try:
             for token in (_DROP, "wrong", "", "s3cret ", "S3CRET", b"s3cret", 5, None):
@@ -308,11 +286,11 @@ def test_auth_token_is_required(daemon_factory, tmp_path, shm):
             raw.close()
 
 
-def test_non_ascii_auth_token_is_auth_failed(daemon_factory, tmp_path, shm):
+def test_non_ascii_auth_token_is_auth_failed(daemon_factory, tmp_path, memfd):
     config = write_toml(tmp_path / "auth.toml", 'auth_token = "s3cret"\n')
     d = daemon_factory("--config", str(config))
     try:
-        with bystander(d, shm, token="s3cret"):
+        with bystander(d, memfd, token="s3cret"):
             raw = RawClient(d.address)
             try:
                 reply, _ = raw.request(Op.HELLO, **_hello_fields(token="sécret"))

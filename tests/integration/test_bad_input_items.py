@@ -1,7 +1,7 @@
 """Bad input from a client: every case gets a clear answer and hurts nobody else (each case also
 checks a bystander session, see tests/helpers/bad_input.py). This file: per-item checks (staging
-bounds, keys, namespaces, layouts, sizes, payload frames, inline sessions) and a staging file that
-shrinks under the daemon.
+bounds, keys, namespaces, layouts, sizes, payload frames, inline sessions) and a staging buffer
+the client tries to shrink under the daemon.
 """
 
 from __future__ import annotations
@@ -26,20 +26,20 @@ from helpers.bad_input import (
 from helpers.daemon import DaemonProcess
 from helpers.raw import RawClient
 
-from kvtierd.protocol import MAX_KEY_BYTES, Op, Status, Tier
+from kvtierd.protocol import MAX_KEY_BYTES, PROTOCOL_VERSION, Op, Status, Tier
 
 pytestmark = pytest.mark.timeout(60)
 
 
-# -- shm staging: bounds -----------------------------------------------------------------------
+# -- memfd staging: bounds -----------------------------------------------------------------------
 STAGE = 200_000  # announced staging size: not a multiple of the 4 KiB page, so the daemon's
-SLACK = 65_536  # mapping reaches past it; the file has SLACK more bytes holding a sentinel
+SLACK = 4096 - STAGE % 4096  # mapping reaches past it to the page end, where a sentinel lies
 CHUNK = 8192
 
 
-def test_get_out_of_bounds_copies_nothing_and_never_past_the_buffer(shared, shm, sessions):
-    with bystander(shared, shm):
-        buf = shm(STAGE, slack=SLACK)
+def test_get_out_of_bounds_copies_nothing_and_never_past_the_buffer(shared, memfd, sessions):
+    with bystander(shared, memfd):
+        buf = memfd(STAGE)
         s = sessions(shared.address, namespace(), staging=buf)
         data = os.urandom(CHUNK)
         buf.write(0, data)
@@ -81,9 +81,9 @@ def test_get_out_of_bounds_copies_nothing_and_never_past_the_buffer(shared, shm,
         shared.check()
 
 
-def test_put_out_of_bounds_stores_nothing(shared, shm, sessions):
-    with bystander(shared, shm):
-        buf = shm(STAGE, slack=SLACK, fill=SENTINEL)
+def test_put_out_of_bounds_stores_nothing(shared, memfd, sessions):
+    with bystander(shared, memfd):
+        buf = memfd(STAGE, fill=SENTINEL)
         buf.fill(0x11, 0, STAGE)
         s = sessions(shared.address, namespace(), staging=buf)
         before = shared.cpu()
@@ -111,11 +111,11 @@ def test_put_out_of_bounds_stores_nothing(shared, shm, sessions):
 
 
 @pytest.mark.parametrize("nbytes", [0, -1, -CHUNK, 1.5, "8192", None, True])
-def test_bad_nbytes_is_a_per_item_bad_request(shared, shm, sessions, nbytes):
+def test_bad_nbytes_is_a_per_item_bad_request(shared, memfd, sessions, nbytes):
     # nbytes 0 and negative ones are refused by the daemon's nbytes check (BAD_REQUEST) before the
     # staging range check (which would say OUT_OF_BOUNDS); either way nothing is copied.
-    with bystander(shared, shm):
-        buf = shm(STAGE, slack=SLACK, fill=SENTINEL)
+    with bystander(shared, memfd):
+        buf = memfd(STAGE, fill=SENTINEL)
         buf.fill(POISON, 0, STAGE)
         s = sessions(shared.address, namespace(), staging=buf)
         data = os.urandom(CHUNK)
@@ -135,9 +135,9 @@ def test_bad_nbytes_is_a_per_item_bad_request(shared, shm, sessions, nbytes):
 
 
 # -- keys ------------------------------------------------------------------------------------------
-def test_key_length_and_type_are_checked_per_item(shared, shm, sessions):
-    with bystander(shared, shm):
-        buf = shm(8 * CHUNK)
+def test_key_length_and_type_are_checked_per_item(shared, memfd, sessions):
+    with bystander(shared, memfd):
+        buf = memfd(8 * CHUNK)
         s = sessions(shared.address, namespace(), staging=buf)
         key64 = b"\x01" * MAX_KEY_BYTES
         key65 = b"\x02" * (MAX_KEY_BYTES + 1)
@@ -173,16 +173,16 @@ def test_key_length_and_type_are_checked_per_item(shared, shm, sessions):
 
 
 # -- namespaces, layouts, sizes ------------------------------------------------------------------
-def test_other_namespace_or_rank_cannot_see_a_chunk(shared, shm, sessions):
-    with bystander(shared, shm):
+def test_other_namespace_or_rank_cannot_see_a_chunk(shared, memfd, sessions):
+    with bystander(shared, memfd):
         ns = namespace()
-        buf = shm(4 * CHUNK)
+        buf = memfd(4 * CHUNK)
         owner = sessions(shared.address, ns, staging=buf)
         data = os.urandom(CHUNK)
         buf.write(0, data)
         assert names(owner.put([[b"secret", 0, CHUNK]])["results"]) == ["OK"]
         for other_ns, rank in ((namespace(), 0), (ns, 1)):
-            obuf = shm(4 * CHUNK, fill=POISON)
+            obuf = memfd(4 * CHUNK, fill=POISON)
             other = sessions(shared.address, other_ns, staging=obuf, rank=rank)
             assert other.lookup([b"secret"]) == [0]
             reply, _ = other.get([[b"secret", 0, CHUNK]])
@@ -195,17 +195,17 @@ def test_other_namespace_or_rank_cannot_see_a_chunk(shared, shm, sessions):
         assert names(reply["results"]) == ["OK"] and buf.read(CHUNK, CHUNK) == data
 
 
-def test_put_with_other_layout_fingerprint_keeps_the_stored_chunk(shared, shm, sessions):
-    with bystander(shared, shm):
+def test_put_with_other_layout_fingerprint_keeps_the_stored_chunk(shared, memfd, sessions):
+    with bystander(shared, memfd):
         ns = namespace()
-        buf_a = shm(4 * CHUNK)
+        buf_a = memfd(4 * CHUNK)
         a = sessions(shared.address, ns, staging=buf_a, fingerprint="fp-a")
         data = os.urandom(CHUNK)
         buf_a.write(0, data)
         assert names(a.put([[b"k", 0, CHUNK]])["results"]) == ["OK"]
         commits = shared.cpu()["commits"]
 
-        buf_b = shm(4 * CHUNK)
+        buf_b = memfd(4 * CHUNK)
         b = sessions(shared.address, ns, staging=buf_b, fingerprint="fp-b")
         buf_b.write(0, os.urandom(CHUNK))
         reply = b.put([[b"k", 0, CHUNK]])
@@ -228,9 +228,9 @@ def test_put_with_other_layout_fingerprint_keeps_the_stored_chunk(shared, shm, s
         assert a.lookup([b"k"]) == [Tier.CPU]
 
 
-def test_get_with_wrong_nbytes_is_size_mismatch(shared, shm, sessions):
-    with bystander(shared, shm):
-        buf = shm(8 * CHUNK)
+def test_get_with_wrong_nbytes_is_size_mismatch(shared, memfd, sessions):
+    with bystander(shared, memfd):
+        buf = memfd(8 * CHUNK)
         s = sessions(shared.address, namespace(), staging=buf)
         data = os.urandom(5000)
         buf.write(0, data)
@@ -251,9 +251,9 @@ def test_get_with_wrong_nbytes_is_size_mismatch(shared, shm, sessions):
         assert names(reply["results"]) == ["OK"] and buf.read(100, 5000) == data
 
 
-def test_re_put_is_exists_and_copies_nothing(shared, shm, sessions):
-    with bystander(shared, shm):
-        buf = shm(4 * CHUNK)
+def test_re_put_is_exists_and_copies_nothing(shared, memfd, sessions):
+    with bystander(shared, memfd):
+        buf = memfd(4 * CHUNK)
         s = sessions(shared.address, namespace(), staging=buf)
         data = os.urandom(CHUNK)
         buf.write(0, data)
@@ -272,9 +272,9 @@ def test_re_put_is_exists_and_copies_nothing(shared, shm, sessions):
 
 
 # -- unexpected payload frames ----------------------------------------------------------------
-def test_put_with_payload_frames_on_shm_session_is_bad_request(shared, shm, sessions):
-    with bystander(shared, shm):
-        buf = shm(4 * CHUNK)
+def test_put_with_payload_frames_on_shm_session_is_bad_request(shared, memfd, sessions):
+    with bystander(shared, memfd):
+        buf = memfd(4 * CHUNK)
         s = sessions(shared.address, namespace(), staging=buf)
         buf.write(0, os.urandom(CHUNK))
         reply, payload = s.request(Op.PUT, [b"x" * CHUNK], items=[[b"k", 0, CHUNK]])
@@ -287,9 +287,9 @@ def test_put_with_payload_frames_on_shm_session_is_bad_request(shared, shm, sess
         assert names(s.put([[b"k", 0, CHUNK]])["results"]) == ["OK"]
 
 
-def test_get_with_payload_frames_on_shm_session_is_bad_request(shared, shm, sessions):
-    with bystander(shared, shm):
-        buf = shm(4 * CHUNK)
+def test_get_with_payload_frames_on_memfd_session_is_bad_request(shared, memfd, sessions):
+    with bystander(shared, memfd):
+        buf = memfd(4 * CHUNK)
         s = sessions(shared.address, namespace(), staging=buf)
         buf.write(0, os.urandom(CHUNK))
         assert names(s.put([[b"k", 0, CHUNK]])["results"]) == ["OK"]
@@ -301,8 +301,8 @@ def test_get_with_payload_frames_on_shm_session_is_bad_request(shared, shm, sess
 
 
 # -- inline sessions -------------------------------------------------------------------------------
-def test_inline_put_frame_count_and_sizes_are_checked(shared, shm, sessions):
-    with bystander(shared, shm):
+def test_inline_put_frame_count_and_sizes_are_checked(shared, memfd, sessions):
+    with bystander(shared, memfd):
         s = sessions(shared.address, namespace())
         reply, _ = s.request(Op.PUT, [], items=[[b"k", 0, 10]])
         assert reply["name"] == "BAD_REQUEST"
@@ -319,8 +319,8 @@ def test_inline_put_frame_count_and_sizes_are_checked(shared, shm, sessions):
         assert shared.cpu()["pending_chunks"] == 0
 
 
-def test_inline_get_returns_one_frame_per_item(shared, shm, sessions):
-    with bystander(shared, shm):
+def test_inline_get_returns_one_frame_per_item(shared, memfd, sessions):
+    with bystander(shared, memfd):
         s = sessions(shared.address, namespace())
         a, b = os.urandom(1000), os.urandom(CHUNK)
         assert names(s.put([[b"a", 0, 1000], [b"b", 0, CHUNK]], [a, b])["results"]) == ["OK"] * 2
@@ -329,7 +329,7 @@ def test_inline_get_returns_one_frame_per_item(shared, shm, sessions):
         assert payload == [a, b"", b], [len(p) for p in payload]
 
 
-# -- a staging file that shrinks under the daemon ------------------------------------------------
+# -- a staging buffer that a client tries to shrink under the daemon ------------------------------------------------
 def _reply_or_death(raw: RawClient, d: DaemonProcess, timeout_s: float = 10.0) -> dict | None:
     """The next non-probe reply, or None as soon as the daemon process is gone."""
     deadline = time.monotonic() + timeout_s
@@ -344,24 +344,31 @@ def _reply_or_death(raw: RawClient, d: DaemonProcess, timeout_s: float = 10.0) -
 
 
 @pytest.mark.parametrize("op", [Op.PUT, Op.GET], ids=lambda o: o.name)
-def test_staging_file_truncated_after_hello_does_not_kill_the_daemon(daemon_factory, shm, op):
+def test_staging_file_truncated_after_hello_does_not_kill_the_daemon(daemon_factory, memfd, op):
+    # Protocol 1 named /dev/shm files could be truncated under the daemon (SIGBUS); a sealed memfd
+    # refuses the truncation itself, and the daemon keeps serving from the same buffer.
     d = daemon_factory()
     try:
-        with bystander(d, shm):
-            buf = shm(1 << 20)
+        with bystander(d, memfd):
+            buf = memfd(1 << 20)
             s = Session(d.address, namespace(), staging=buf)
             try:
-                buf.write(0, os.urandom(CHUNK))
+                data = os.urandom(CHUNK)
+                buf.write(0, data)
                 assert names(s.put([[b"first", 0, CHUNK]])["results"]) == ["OK"]
-                buf.mm.close()  # never touch the mapping after the truncation
-                os.truncate(buf.path, 0)
+                with pytest.raises(PermissionError):
+                    os.ftruncate(buf.fd, 0)
+                assert os.fstat(buf.fd).st_size == 1 << 20
                 key = b"second" if op is Op.PUT else b"first"
-                s.raw.send_frames([packed({"v": 1, "op": int(op), "id": 50,
-                                            "items": [[key, 512 * 1024, CHUNK]]})])
+                buf.fill(POISON, 512 * 1024, 512 * 1024 + CHUNK) if op is Op.GET else None
+                s.raw.send_frames([packed({"v": PROTOCOL_VERSION, "op": int(op), "id": 50,
+                                            "items": [[key, 512 * 1024 if op is Op.GET else 0,
+                                                       CHUNK]]})])
                 reply = _reply_or_death(s.raw, d)
                 assert reply is not None, f"the daemon died ({d.proc.returncode})"
-                assert reply["id"] == 50
-                assert reply["name"] != "OK" or reply["results"] != [Status.OK], reply
+                assert reply["id"] == 50 and reply["results"] == [Status.OK], reply
+                if op is Op.GET:
+                    assert buf.read(512 * 1024, CHUNK) == data
             finally:
                 s.close()
     finally:

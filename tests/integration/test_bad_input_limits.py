@@ -11,17 +11,18 @@ import pytest
 from helpers.bad_input import Session, packed, bystander, item_errors, names, namespace, send_raw
 from helpers.raw import RawClient
 
-from kvtierd.protocol import Op, Tier
+from kvtierd.protocol import PROTOCOL_VERSION, Op, Tier
 
 pytestmark = pytest.mark.timeout(60)
 
 
 # -- limits (a daemon with small ones) -------------------------------------------------------------
-def test_oversize_header_frame_is_too_large(limited, shm):
-    with bystander(limited, shm):
+def test_oversize_header_frame_is_too_large(limited, memfd):
+    with bystander(limited, memfd):
         raw = RawClient(limited.address)
         try:
-            header = packed({"v": 1, "op": int(Op.PING), "id": 9, "pad": "x" * 5000})
+            header = packed({"v": PROTOCOL_VERSION, "op": int(Op.PING), "id": 9,
+                         "pad": "x" * 5000})
             reply = send_raw(raw, [header])
             assert reply["name"] == "TOO_LARGE", reply
             assert f"header frame is {len(header)} bytes" in reply["message"], reply
@@ -31,7 +32,7 @@ def test_oversize_header_frame_is_too_large(limited, shm):
             s = Session(limited.address, namespace())
             try:
                 items = [[b"k%d" % i, 0, 1] for i in range(4)]
-                header = packed({"v": 1, "op": int(Op.PUT), "id": 3, "items": items,
+                header = packed({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 3, "items": items,
                                   "pad": "y" * 4096})
                 reply = send_raw(s.raw, [header, *[b"z"] * 4])
                 assert reply["name"] == "TOO_LARGE", reply
@@ -45,8 +46,8 @@ def test_oversize_header_frame_is_too_large(limited, shm):
 
 
 @pytest.mark.parametrize("op", [Op.LOOKUP, Op.PUT, Op.GET, Op.DELETE], ids=lambda o: o.name)
-def test_too_many_items_is_too_large(limited, shm, op):
-    with bystander(limited, shm):
+def test_too_many_items_is_too_large(limited, memfd, op):
+    with bystander(limited, memfd):
         s = Session(limited.address, namespace())
         try:
             keys = [b"k%d" % i for i in range(17)]
@@ -69,12 +70,12 @@ def test_too_many_items_is_too_large(limited, shm, op):
             s.close()
 
 
-def test_too_many_payload_frames_is_too_large(limited, shm):
-    with bystander(limited, shm):
+def test_too_many_payload_frames_is_too_large(limited, memfd):
+    with bystander(limited, memfd):
         s = Session(limited.address, namespace())
         try:
             items = [[b"k%d" % i, 0, 1] for i in range(17)]
-            s.raw.send_frames([packed({"v": 1, "op": int(Op.PUT), "id": 77, "items": items}),
+            s.raw.send_frames([packed({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 77, "items": items}),
                                *[b"z"] * 17])
             reply, payload = s.raw.recv()
             assert reply["name"] == "TOO_LARGE", reply
@@ -85,12 +86,12 @@ def test_too_many_payload_frames_is_too_large(limited, shm):
             s.close()
 
 
-def test_too_many_payload_frames_reply_echoes_the_request_id(limited, shm):
-    with bystander(limited, shm):
+def test_too_many_payload_frames_reply_echoes_the_request_id(limited, memfd):
+    with bystander(limited, memfd):
         s = Session(limited.address, namespace())
         try:
             items = [[b"k%d" % i, 0, 1] for i in range(17)]
-            s.raw.send_frames([packed({"v": 1, "op": int(Op.PUT), "id": 77, "items": items}),
+            s.raw.send_frames([packed({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 77, "items": items}),
                                *[b"z"] * 17])
             reply, _ = s.raw.recv()
             assert reply["name"] == "TOO_LARGE", reply
@@ -99,12 +100,12 @@ def test_too_many_payload_frames_reply_echoes_the_request_id(limited, shm):
             s.close()
 
 
-def test_too_many_payload_frames_message_counts_the_clients_frames(limited, shm):
-    with bystander(limited, shm):
+def test_too_many_payload_frames_message_counts_the_clients_frames(limited, memfd):
+    with bystander(limited, memfd):
         s = Session(limited.address, namespace())
         try:
             items = [[b"k%d" % i, 0, 1] for i in range(17)]
-            s.raw.send_frames([packed({"v": 1, "op": int(Op.PUT), "id": 77, "items": items}),
+            s.raw.send_frames([packed({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 77, "items": items}),
                                *[b"z"] * 17])
             reply, _ = s.raw.recv()
             assert reply["name"] == "TOO_LARGE", reply
@@ -113,8 +114,8 @@ def test_too_many_payload_frames_message_counts_the_clients_frames(limited, shm)
             s.close()
 
 
-def test_oversize_inline_payload_is_too_large_per_item(limited, shm):
-    with bystander(limited, shm):
+def test_oversize_inline_payload_is_too_large_per_item(limited, memfd):
+    with bystander(limited, memfd):
         s = Session(limited.address, namespace())
         try:
             assert s.hello["limits"]["max_inline_bytes"] == 65536

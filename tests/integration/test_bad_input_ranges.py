@@ -27,8 +27,8 @@ def _hello(raw: RawClient, **fields) -> dict:
 
 @pytest.mark.parametrize("rank, world_size", [(2**63, 4096), (2**63, 1), (-1, 1), (-(2**63), 8),
                                               (0, 0), (0, 4097), (0, 2**63), (1, 1)])
-def test_hello_rank_and_world_size_extremes_are_bad_request(shared, shm, rank, world_size):
-    with bystander(shared, shm):
+def test_hello_rank_and_world_size_extremes_are_bad_request(shared, memfd, rank, world_size):
+    with bystander(shared, memfd):
         raw = RawClient(shared.address)
         try:
             reply = _hello(raw, rank=rank, world_size=world_size)
@@ -39,8 +39,8 @@ def test_hello_rank_and_world_size_extremes_are_bad_request(shared, shm, rank, w
             raw.close()
 
 
-def test_item_extremes_of_an_inline_session_are_per_item_bad_requests(shared, shm, sessions):
-    with bystander(shared, shm):
+def test_item_extremes_of_an_inline_session_are_per_item_bad_requests(shared, memfd, sessions):
+    with bystander(shared, memfd):
         s = sessions(shared.address, namespace())
         data = b"\x5a" * 1000
         items = [[b"off-neg", -1, 1000], [b"off-big", BIG, 1000], [b"off-bool", True, 1000],
@@ -57,9 +57,9 @@ def test_item_extremes_of_an_inline_session_are_per_item_bad_requests(shared, sh
         assert payload_frames[2] == data and payload_frames[:2] == [b"", b""]
 
 
-def test_staging_item_extremes_are_out_of_bounds_or_bad_request(shared, shm, sessions):
-    with bystander(shared, shm):
-        buf = shm(65536)
+def test_staging_item_extremes_are_out_of_bounds_or_bad_request(shared, memfd, sessions):
+    with bystander(shared, memfd):
+        buf = memfd(65536)
         s = sessions(shared.address, namespace(), staging=buf)
         items = [[b"k", -1, 4096], [b"k", BIG, 4096], [b"k", 2**63, 4096], [b"k", 0, BIG],
                  [b"k", 0, -(2**63)]]
@@ -80,17 +80,17 @@ def test_staging_item_extremes_are_out_of_bounds_or_bad_request(shared, shm, ses
     (Op.GET, {"items": {"k": 1}}, "'items'"),
     (Op.DELETE, {"keys": None}, "'keys'"),
 ])
-def test_request_field_extremes_are_refused_as_a_whole(shared, shm, sessions, op, fields,
+def test_request_field_extremes_are_refused_as_a_whole(shared, memfd, sessions, op, fields,
                                                        fragment):
-    with bystander(shared, shm):
+    with bystander(shared, memfd):
         s = sessions(shared.address, namespace())
         reply, _ = s.request(op, **fields)
         assert reply["name"] in ("BAD_REQUEST", "KEY_TOO_LONG"), reply
         assert fragment in reply["message"], reply
 
 
-def test_delete_of_bad_keys_answers_per_key(shared, shm, sessions):
-    with bystander(shared, shm):
+def test_delete_of_bad_keys_answers_per_key(shared, memfd, sessions):
+    with bystander(shared, memfd):
         s = sessions(shared.address, namespace())
         reply, _ = s.request(Op.DELETE, keys=[2**63, b"", b"x" * 65, b"absent"])
         assert names(reply["results"]) == ["BAD_REQUEST", "BAD_REQUEST", "KEY_TOO_LONG", "MISS"]

@@ -155,7 +155,7 @@ def test_stats_prints_a_table_with_tiers_and_hit_rates(daemon):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert f"socket  {daemon.address}" in out
-    assert "protocol 1" in out
+    assert "protocol 2" in out
     tables, planning = out.split("\ncapacity planning", 1)  # planning: test_ghost_metrics.py
     rows = {line.split()[0]: line.split() for line in tables.splitlines() if line.strip()}
     assert rows["tier"] == ["tier", "capacity", "used", "used%", "chunks", "pending",

@@ -7,9 +7,8 @@ bytes = 2 pages. Every hit must be byte-exact and every miss must leave its bloc
 
 from __future__ import annotations
 
-import mmap
+import ctypes
 import os
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -26,10 +25,11 @@ from helpers.kv import (
     simple_layout,
 )
 
+from helpers.handshake import MemfdBuffer
 from helpers.raw import RawClient
 
 from kvtier_client import KVGroup, KVLayout, KVTierClient
-from kvtierd.protocol import Op, Status
+from kvtierd.protocol import PROTOCOL_VERSION, Op, Status
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -172,29 +172,25 @@ def test_chunk_larger_than_the_tier_is_refused_and_the_daemon_keeps_serving(daem
 
 
 class _Staging:
-    """A raw client's /dev/shm staging buffer that the test can read back."""
+    """A raw client's memfd staging buffer (handed over by the handshake) the test reads back."""
 
     def __init__(self, nbytes: int) -> None:
-        self.name = f"kvtier-stg-{os.getpid()}-evict{os.urandom(4).hex()}"
-        path = Path("/dev/shm") / self.name
-        with open(path, "w+b") as f:
-            f.truncate(nbytes)
-            self.map = mmap.mmap(f.fileno(), nbytes)
-        self.path = path
+        self.buf = MemfdBuffer(nbytes)
+        self.map = memoryview((ctypes.c_char * nbytes).from_address(self.buf.address)).cast("B")
         self.nbytes = nbytes
 
-    def hello(self, raw: RawClient) -> None:
+    def hello(self, raw: RawClient, address: str) -> None:
         rep, _ = raw.request(Op.HELLO, namespace="doomed", rank=0, world_size=1, fingerprint="fp",
-                             staging={"kind": "shm", "name": self.name, "nbytes": self.nbytes})
+                             staging=self.buf.hello_staging(address))
         assert rep["status"] == Status.OK, rep
 
     def close(self) -> None:
-        self.path.unlink(missing_ok=True)
-        self.map.close()
+        self.map.release()
+        self.buf.close()
 
 
 def _send(raw: RawClient, request_id: int, op: Op, **fields) -> None:
-    raw.send_frames([msgpack.packb({"v": 1, "op": int(op), "id": request_id, **fields})])
+    raw.send_frames([msgpack.packb({"v": PROTOCOL_VERSION, "op": int(op), "id": request_id, **fields})])
 
 
 def _replies(raw: RawClient, ids: set[int]) -> dict[int, dict]:
@@ -214,8 +210,8 @@ def test_delete_and_reuse_while_a_get_copies_never_corrupts_the_reader(daemon_fa
     a, b = _Staging(2 * region), _Staging(region)
     ra, rb = RawClient(d.address), RawClient(d.address)
     try:
-        a.hello(ra)
-        b.hello(rb)
+        a.hello(ra, d.address)
+        b.hello(rb, d.address)
         for round_ in range(4):
             keys = [b"r%d-a%d" % (round_, i) for i in range(count)]
             other = [b"r%d-b%d" % (round_, i) for i in range(count)]

@@ -27,10 +27,11 @@ from helpers.kv import (
     random_tokens,
     simple_layout,
 )
+from helpers.handshake import MemfdBuffer, ticket
 from helpers.raw import RawClient
 
 from kvtier_client import KVTierClient
-from kvtierd.protocol import Op, Status
+from kvtierd.protocol import PROTOCOL_VERSION, Op, Status
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -39,12 +40,16 @@ SHM = Path("/dev/shm")
 
 
 def staging_files(pid: int) -> list[str]:
-    return sorted(p.name for p in SHM.glob(f"kvtier-stg-{pid}-*"))
+    """Staging has no name in protocol 2: nothing of a client may appear in /dev/shm (the
+    daemons' arenas are ``kvtierd-*``; protocol 1's staging files were ``kvtier-stg-<pid>-*``)."""
+    return sorted(p.name for p in SHM.glob("kvtier-*") if str(pid) in p.name)
 
 
 def daemon_maps_staging_of(daemon: DaemonProcess, pid: int) -> list[str]:
+    """The daemon's mappings of the memfd staging of client ``pid`` (kvtier_client labels its
+    memfds ``kvtier-staging-<pid>``)."""
     maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
-    return [line for line in maps.splitlines() if f"kvtier-stg-{pid}-" in line]
+    return [line for line in maps.splitlines() if f"memfd:kvtier-staging-{pid} " in line]
 
 
 def run_script(tmp_path: Path, name: str, body: str, *args: str, wait: bool = True):
@@ -123,33 +128,26 @@ def test_kill9_of_a_client_mid_put_leaks_nothing(daemon, tmp_path):
     assert daemon.alive()
 
 
-class ShmBuffer:
-    """A raw staging buffer in /dev/shm, as the client library makes one."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.name = f"kvtier-stg-{os.getpid()}-raw{os.urandom(4).hex()}"
-        self.path = SHM / self.name
-        self.data = os.urandom(nbytes)
-        self.path.write_bytes(self.data)
-
-    def handle(self) -> dict:
-        return {"kind": "shm", "name": self.name, "nbytes": len(self.data)}
+def filled_memfd(nbytes: int) -> MemfdBuffer:
+    """A raw memfd staging buffer holding random bytes, as the client library makes one."""
+    buf = MemfdBuffer(nbytes)
+    buf.write(0, os.urandom(nbytes))
+    return buf
 
 
 def test_put_abandoned_by_bye_is_aborted_and_never_visible(daemon):
     chunk, count = 4 * 1024**2 + 123, 12  # ~48 MiB: copied on the daemon's copy threads
-    buf = ShmBuffer(chunk * count)
+    buf = filled_memfd(chunk * count)
     raw, reader = RawClient(daemon.address), RawClient(daemon.address)
     try:
         rep, _ = raw.request(Op.HELLO, namespace="abandon", rank=0, world_size=1, fingerprint="fp",
-                             staging=buf.handle())
+                             staging=buf.hello_staging(daemon.address))
         assert rep["status"] == Status.OK, rep
-        buf.path.unlink()
         keys = [b"abandoned-%d" % i for i in range(count)]
         before = daemon.cpu()
         # PUT, then BYE at once without waiting: the copies are still running when BYE ends the
         # session, so every reservation must be aborted, not committed
-        raw.send_frames([msgpack.packb({"v": 1, "op": int(Op.PUT), "id": 1, "items": [
+        raw.send_frames([msgpack.packb({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 1, "items": [
             [k, i * chunk, chunk] for i, k in enumerate(keys)]})])
         rep, _ = raw.request(Op.BYE)
         assert rep["status"] == Status.OK, rep
@@ -157,28 +155,30 @@ def test_put_abandoned_by_bye_is_aborted_and_never_visible(daemon):
         cpu = daemon.cpu()
         assert cpu["aborts"] - before.get("aborts", 0) == count, cpu
         assert cpu["chunks"] == before["chunks"] and cpu["used_bytes"] == cpu["committed_bytes"]
+        # An inline ticket: the reader is in the writer's tenant (uid), so a miss means something.
         rep, _ = reader.request(Op.HELLO, namespace="abandon", rank=0, world_size=1, fingerprint="fp",
-                                staging={"kind": "inline"})
+                                staging={"kind": "inline", "ticket": ticket(daemon.address, "inline")})
+        assert rep["status"] == Status.OK, rep
         assert lookup(reader, keys) == [0] * count, "an abandoned PUT became visible"
         assert daemon.stats()["sessions"] == 1
         daemon.check()
     finally:
-        buf.path.unlink(missing_ok=True)
+        buf.close()
         raw.close()
         reader.close()
 
 
 def test_put_pipelined_before_bye_still_gets_a_reply(daemon):
     chunk, count = 4 * 1024**2, 8
-    buf = ShmBuffer(chunk * count)
+    buf = filled_memfd(chunk * count)
     raw = RawClient(daemon.address, timeout_s=3)
     try:
         rep, _ = raw.request(Op.HELLO, namespace="pipelined", rank=0, world_size=1, fingerprint="fp",
-                             staging=buf.handle())
+                             staging=buf.hello_staging(daemon.address))
         assert rep["status"] == Status.OK, rep
-        raw.send_frames([msgpack.packb({"v": 1, "op": int(Op.PUT), "id": 1001, "items": [
+        raw.send_frames([msgpack.packb({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 1001, "items": [
             [b"k%d" % i, i * chunk, chunk] for i in range(count)]})])
-        raw.send_frames([msgpack.packb({"v": 1, "op": int(Op.BYE), "id": 1002})])
+        raw.send_frames([msgpack.packb({"v": PROTOCOL_VERSION, "op": int(Op.BYE), "id": 1002})])
         replies = {}
         deadline = time.monotonic() + 1.5
         while len(replies) < 2 and time.monotonic() < deadline:
@@ -191,7 +191,7 @@ def test_put_pipelined_before_bye_still_gets_a_reply(daemon):
         # its copies were still running when BYE ended the session: nothing was stored
         assert replies[1001]["results"] == [Status.NO_SESSION] * count, replies[1001]
     finally:
-        buf.path.unlink(missing_ok=True)
+        buf.close()
         raw.close()
     wait_for(lambda: daemon.cpu()["pending_chunks"] == 0, 10, "reservations settled")
     daemon.check()

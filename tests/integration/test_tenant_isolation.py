@@ -81,10 +81,10 @@ def test_tenant_b_cannot_read_probe_overwrite_or_delete_tenant_a_chunks(two_tena
     d.check()
 
 
-def test_poisoned_staging_buffer_of_another_tenant_stays_untouched(two_tenants, shm, sessions):
+def test_poisoned_staging_buffer_of_another_tenant_stays_untouched(two_tenants, memfd, sessions):
     d = two_tenants
     ns = namespace()
-    buf_a, buf_b = shm(4 * CHUNK), shm(4 * CHUNK)
+    buf_a, buf_b = memfd(4 * CHUNK), memfd(4 * CHUNK)
     a = sessions(d.address, ns, staging=buf_a, fingerprint=FP, token="token-of-a")
     b = sessions(d.address, ns, staging=buf_b, fingerprint=FP, token="token-of-b")
     data = os.urandom(CHUNK)

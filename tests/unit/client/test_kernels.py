@@ -91,9 +91,9 @@ def test_tables_device_cpu_mixed_and_unsupported():
 
 
 def test_staging_handle_message_format():
-    spec = staging_handle(b"\x01" * 64, 1 << 20, 3, "0000:1b:00.0")
-    assert spec == {"kind": "cuda_ipc", "handle": b"\x01" * 64, "nbytes": 1 << 20, "device": 3,
-                    "pci_bus_id": "0000:1b:00.0"}
+    spec = staging_handle(b"\x01" * 64, 1 << 20, 3, "0000:1b:00.0", ticket=b"t" * 16)
+    assert spec == {"kind": "cuda_ipc", "ticket": b"t" * 16, "handle": b"\x01" * 64,
+                    "nbytes": 1 << 20, "device": 3, "pci_bus_id": "0000:1b:00.0"}
     assert "pci_bus_id" not in staging_handle(b"\x00" * 64, 4096, 0)
     with pytest.raises(ValueError, match="a CUDA IPC handle has 64 bytes"):
         staging_handle(b"\x00" * 63, 4096, 0)

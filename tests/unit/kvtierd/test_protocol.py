@@ -6,9 +6,12 @@ import msgpack
 import pytest
 
 from kvtierd.protocol import (
+    MAX_HANDSHAKE_BYTES,
     MAX_KEY_BYTES,
     PROTOCOL_VERSION,
+    STAGING_KINDS,
     STORED,
+    TICKET_BYTES,
     Op,
     ProtocolError,
     Status,
@@ -44,7 +47,10 @@ def test_wire_numbers_are_frozen_and_unique(enum_cls, expected):
 
 
 def test_constants():
-    assert PROTOCOL_VERSION == 1 and MAX_KEY_BYTES == 64
+    # 2: staging by memfd over the handshake socket (named /dev/shm staging removed)
+    assert PROTOCOL_VERSION == 2 and MAX_KEY_BYTES == 64
+    assert TICKET_BYTES == 16 and MAX_HANDSHAKE_BYTES == 4096
+    assert STAGING_KINDS == ("memfd", "cuda_ipc", "inline")
     assert STORED == {Status.OK, Status.EXISTS}
 
 
@@ -62,7 +68,7 @@ def test_pack_unpack_round_trip():
 
 def test_reply_envelope():
     assert reply(9, Status.BUSY, "wait", results=[16]) == {
-        "v": 1, "id": 9, "status": 16, "name": "BUSY", "message": "wait", "results": [16]
+        "v": PROTOCOL_VERSION, "id": 9, "status": 16, "name": "BUSY", "message": "wait", "results": [16]
     }
     ok = unpack(pack(reply(3)), 1024)
     assert (ok["status"], ok["name"], ok["message"]) == (0, "OK", "")

@@ -55,7 +55,7 @@ def test_check_range():
                     reason="this machine has CUDA: the no-CUDA refusal cannot happen")
 def test_a_daemon_without_cuda_refuses_with_the_reason():
     with pytest.raises(ProtocolError, match=r"needs a daemon with CUDA; this one has none "
-                                            r"\(.+\): use 'shm' staging") as err:
+                                            r"\(.+\): use 'memfd' staging") as err:
         CudaIpcStaging(GOOD, 1 << 30)
     assert err.value.status is Status.BAD_HANDLE
     assert staging_cuda.stats() == {"open_handles": 0, "opened_total": 0}
