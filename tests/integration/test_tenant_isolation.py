@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from helpers.bad_input import POISON, Session, item_errors, names, namespace, write_toml
+from helpers.wait import wait_for
 
 from kvtierd.protocol import Op, Status, Tier
 
@@ -208,3 +209,26 @@ def test_a_chunk_larger_than_the_quota_is_refused_without_evicting(daemon_factor
     got, frames = get_inline(greedy, small)
     assert got == ["OK"] * 2 and frames == list(small.values())
     assert d.cpu().get("evictions", 0) == 0
+
+
+def test_promotion_past_the_quota_is_refused_until_own_chunks_can_go(daemon_factory, tmp_path,
+                                                                     sessions):
+    config = write_toml(tmp_path / "quota.toml", QUOTA)
+    d = daemon_factory("--config", str(config))  # with an NVMe tier: own evictions are demotions
+    greedy = sessions(d.address, namespace(), fingerprint=FP, token="token-greedy")
+    first = {b"g-first-%d" % i: os.urandom(CHUNK) for i in range(8)}
+    second = {b"g-second-%d" % i: os.urandom(CHUNK) for i in range(8)}
+    assert put_inline(greedy, first) == ["OK"] * 8
+    assert put_inline(greedy, second) == ["OK"] * 8
+    wait_for(lambda: greedy.lookup(list(first)) == [Tier.NVME] * 8, 20, "first chunks on NVMe")
+    reply, _ = greedy.request(Op.LOOKUP, keys=list(second), lease=True)
+    assert reply["tiers"] == [Tier.CPU] * 8
+    key = next(iter(first))
+    reply, frames = greedy.get([[key, 0, CHUNK]])
+    assert names(reply["results"]) == ["QUOTA_EXCEEDED"] and frames == [b""], reply
+    assert "cannot promote" in item_errors(reply)[0][1] and "greedy" in item_errors(reply)[0][1]
+    got, frames = get_inline(greedy, second)  # a GET consumes the leases
+    assert got == ["OK"] * 8 and frames == list(second.values())
+    got, frames = get_inline(greedy, [key])
+    assert got == ["OK"] and frames == [first[key]]  # promoted, its own coldest made room
+    assert d.stats()["tenants"]["greedy"]["used_bytes"] <= 1024**2
