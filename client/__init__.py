@@ -5,7 +5,7 @@
 """
 
 from kvtier_client.client import KVTierClient
-from kvtier_client.layout import KVGroup, KVLayout
+from kvtier_client.layout import KIND_NAMES, KVGroup, KVLayout
 from kvtier_client.planner import Chunk
 
-__all__ = ["Chunk", "KVGroup", "KVLayout", "KVTierClient"]
+__all__ = ["KIND_NAMES", "Chunk", "KVGroup", "KVLayout", "KVTierClient"]

@@ -4,8 +4,10 @@ This is what CPU-only workers run and what the GPU kernels are checked against b
 is written for clarity with the kernels' batch semantics:
 
 * a batch is a list of ``CopyUnit`` (one chunk: its group, its block ids, its staging offset);
-* a unit's staging bytes are ``[layer][block][page_bytes]`` for the layers of its group, in the
-  group's layer order (the chunk payload of DESIGN.md);
+* a unit's staging bytes are ``[layer][block][page]`` for the layers of its group, in the
+  group's layer order (the chunk payload of DESIGN.md), each layer with its own page size (a group
+  may mix page sizes, e.g. MLA latents and indexer caches), so layer ``l`` starts
+  ``blocks * sum(pages of layers < l)`` bytes into the unit;
 * block id -1 is skipped (its staging bytes are left as they are);
 * each layer's tensor is read as raw bytes: block ``b`` is the ``page_bytes`` bytes starting at
   ``b * stride(0)`` elements from the tensor's start, whatever its dtype, shape or padding.
@@ -67,11 +69,11 @@ def build_page_tables(layout: KVLayout, kv_caches: dict[str, torch.Tensor]) -> l
     tables = []
     for g, group in enumerate(layout.groups):
         layers = []
-        for name in group.layer_names:
+        for name, page_bytes in zip(group.layer_names, group.layer_page_bytes):
             if name not in kv_caches:
                 raise ValueError(f"group {g}: layer {name!r} is missing from kv_caches; "
                                  f"allowed: a dict with every layer of the layout")
-            layers.append(page_view(name, kv_caches[name], group.page_bytes, g))
+            layers.append(page_view(name, kv_caches[name], page_bytes, g))
         tables.append(layers)
     return tables
 
@@ -79,17 +81,17 @@ def build_page_tables(layout: KVLayout, kv_caches: dict[str, torch.Tensor]) -> l
 def _unit_layers(tables: list[list[LayerPages]], unit: CopyUnit, staging: torch.Tensor):
     """For each layer of the unit's group: (its staging ``[block][page]`` view, its pages,
     positions of the unit's valid blocks, their block ids, whether all blocks are valid)."""
-    layers = tables[unit.group]
-    page_bytes = layers[0].pages.shape[1]
-    nbytes = len(layers) * len(unit.block_ids) * page_bytes
-    view = staging[unit.staging_offset: unit.staging_offset + nbytes].view(
-        len(layers), len(unit.block_ids), page_bytes)
+    blocks = len(unit.block_ids)
     ids = torch.tensor(unit.block_ids, dtype=torch.long, device=staging.device)
     positions = torch.nonzero(ids != -1).flatten()
-    complete = len(positions) == len(unit.block_ids)
+    complete = len(positions) == blocks
     valid_ids = ids if complete else ids[positions]
-    for l, layer in enumerate(layers):
-        yield view[l], layer.pages, positions, valid_ids, complete
+    offset = unit.staging_offset
+    for layer in tables[unit.group]:
+        page_bytes = layer.pages.shape[1]
+        view = staging[offset: offset + blocks * page_bytes].view(blocks, page_bytes)
+        offset += blocks * page_bytes
+        yield view, layer.pages, positions, valid_ids, complete
 
 
 def gather(tables: list[list[LayerPages]], units: list[CopyUnit], staging: torch.Tensor) -> None:

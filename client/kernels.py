@@ -4,9 +4,10 @@ The kernels copy, in one launch per batch, every unit's pages between the paged 
 staging buffer with exactly the torch reference's semantics (``copies.py``). What they need is
 computed here as plain Python ints, so that it can be checked on a machine without a GPU:
 
-* ``build_tables(page_tables)``: per global layer ``(base address, block stride in bytes)`` and per
-  group ``(first layer, layers, page_bytes, blocks_per_chunk)``, from each layer's byte-page view
-  (its ``data_ptr()`` is block 0's address, its ``stride(0)`` the block stride in bytes);
+* ``build_tables(page_tables)``: per global layer ``(base address, block stride in bytes, page
+  bytes, offset of its pages in a unit)`` and per group ``(first layer, layers, blocks_per_chunk)``,
+  from each layer's byte-page view (its ``data_ptr()`` is block 0's address, its ``stride(0)`` the
+  block stride in bytes, its width the layer's own page size: a group may mix page sizes);
 * ``unit_rows(tables, units)``: per unit ``(group, first block-id index, staging offset)`` and the
   flat block-id array, packed into one int64 array (one host → device copy per batch);
 * ``launch_shape``: grid ``(pages of the largest unit, units)`` and threads per block.
@@ -34,7 +35,8 @@ VECTOR_BYTES = 16  # the kernels' vector width: a page takes it when src ≡ dst
 THREADS = 256  # threads per CUDA block; each CUDA block copies whole pages
 MAX_GRID_Y = 65535  # CUDA's limit; the kernels stride over units beyond it
 UNIT_FIELDS = 3  # group, first block-id index, staging offset
-GROUP_FIELDS = 4  # first layer, layers, page_bytes, blocks_per_chunk
+LAYER_FIELDS = 4  # base address, block stride, page_bytes, offset of the layer's pages in a unit
+GROUP_FIELDS = 3  # first layer, layers, blocks_per_chunk
 
 
 class KernelError(RuntimeError):
@@ -45,10 +47,10 @@ class KernelError(RuntimeError):
 class KernelTables:
     """The static device tables of one client: flat int64 rows (see ``cuda/gather_scatter.cu``)."""
 
-    layers: tuple[int, ...]  # per global layer: base address, block stride (bytes)
-    groups: tuple[int, ...]  # per group: first layer, layers, page_bytes, blocks_per_chunk
+    layers: tuple[int, ...]  # per global layer: base, block stride, page_bytes, offset in a unit
+    groups: tuple[int, ...]  # per group: first layer, layers, blocks_per_chunk
     blocks_per_chunk: tuple[int, ...]
-    page_bytes: tuple[int, ...]
+    chunk_bytes: tuple[int, ...]  # per group: bytes of one unit (blocks_per_chunk * its pages)
     num_layers: tuple[int, ...]
 
 
@@ -66,16 +68,18 @@ def build_tables(page_tables: Sequence[Sequence[LayerPages]],
                          f"{len(page_tables)} groups; allowed: one per group")
     layers: list[int] = []
     groups: list[int] = []
-    page_bytes: list[int] = []
+    chunk_bytes: list[int] = []
     first = 0
     for group_layers, bpc in zip(page_tables, blocks_per_chunk):
-        page = group_layers[0].pages.shape[1] if group_layers else 0
+        offset = 0  # [layer][block][page]: a layer's pages follow the earlier layers' in the unit
         for layer in group_layers:
-            layers.extend(layer_row(layer))
-        groups.extend((first, len(group_layers), page, bpc))
-        page_bytes.append(page)
+            page = layer.pages.shape[1]
+            layers.extend((*layer_row(layer), page, offset))
+            offset += bpc * page
+        groups.extend((first, len(group_layers), bpc))
+        chunk_bytes.append(offset)
         first += len(group_layers)
-    return KernelTables(tuple(layers), tuple(groups), tuple(blocks_per_chunk), tuple(page_bytes),
+    return KernelTables(tuple(layers), tuple(groups), tuple(blocks_per_chunk), tuple(chunk_bytes),
                         tuple(len(g) for g in page_tables))
 
 
@@ -101,8 +105,7 @@ def unit_rows(tables: KernelTables, units: Sequence[CopyUnit]) -> tuple[list[int
 
 
 def unit_nbytes(tables: KernelTables, unit: CopyUnit) -> int:
-    g = unit.group
-    return tables.num_layers[g] * tables.blocks_per_chunk[g] * tables.page_bytes[g]
+    return tables.chunk_bytes[unit.group]
 
 
 def launch_shape(max_pages: int, num_units: int) -> tuple[tuple[int, int], tuple[int]]:
@@ -121,13 +124,14 @@ def page_paths(tables: KernelTables, units: Sequence[CopyUnit], staging_address:
     vec = byte = 0
     for unit in units:
         g = unit.group
-        first, count, page, bpc = tables.groups[GROUP_FIELDS * g: GROUP_FIELDS * (g + 1)]
-        for layer in range(count):
-            base, stride = tables.layers[2 * (first + layer): 2 * (first + layer) + 2]
+        first, count, _ = tables.groups[GROUP_FIELDS * g: GROUP_FIELDS * (g + 1)]
+        for layer in range(first, first + count):
+            row = tables.layers[LAYER_FIELDS * layer: LAYER_FIELDS * (layer + 1)]
+            base, stride, page, offset = row
             for j, b in enumerate(unit.block_ids):
                 if b < 0:
                     continue
-                dst = staging_address + unit.staging_offset + (layer * bpc + j) * page
+                dst = staging_address + unit.staging_offset + offset + j * page
                 if vector_ok(dst, base + b * stride):
                     vec += 1
                 else:

@@ -5,6 +5,12 @@ layout is one frozen, validated object: every invalid value raises a ValueError 
 value and what is allowed, instead of quietly disabling a group or chunking it wrongly. Groups whose
 `tokens_per_block` is not a multiple of `tokens_per_hash` cannot be keyed by the prefix hash; like vLLM,
 they keep their index and are reported in `skipped_groups` rather than rejected.
+
+What a group caches is a closed set of kinds with vLLM's names (`KIND_NAMES`): the planner keeps a
+different part of a request for each (sliding and chunked-local windows, the single last state of a
+recurrent group), so a free-text kind would silently plan the wrong chunks. A group's page size may
+differ per layer (vLLM groups layers of one type and block size even when their pages differ, e.g.
+DeepSeek-V3.2's MLA latents and lightning-indexer caches).
 """
 
 from __future__ import annotations
@@ -17,10 +23,25 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from .planner import Chunk, plan
+from .planner import Chunk, plan, window_chunks
 
 # Version of the fingerprint encoding; bump it when the encoded fields change.
 FINGERPRINT_FORMAT = 1
+
+#: Every group kind kvtierd can plan, with vLLM's names. `mamba` is every recurrent-state kind
+#: (Mamba, Mamba2, GDN / linear attention): its block is the state at the block's end.
+KIND_NAMES = ("full_attention", "sliding_window", "chunked_local_attention", "mla", "mla_indexer",
+              "mamba")
+#: Kinds whose `sliding_window` is required: the window in tokens, or the attention chunk size.
+WINDOWED_KINDS = ("sliding_window", "chunked_local_attention")
+#: Kinds whose blocks are recurrent states: only the last complete chunk is usable.
+STATE_KINDS = ("mamba",)
+# Kinds vLLM has that can never be keyed by a decoder prefix, with the reason the error gives.
+_REFUSED_KINDS = {
+    "cross_attention": "its KV depends on the encoder input, not on the decoder prefix, so prefix "
+                       "keys would alias different inputs",
+    "encoder_only": "encoder-only layers keep no KV cache between steps",
+}
 
 _LAYOUT_KEYS = {"groups", "blocks_per_chunk", "chunk_tokens", "tokens_per_hash", "model", "dtype",
                 "world_size", "rank", "kv_layout"}
@@ -38,17 +59,21 @@ class KVGroup:
     """Layers that share one block table (one KV-cache group)."""
 
     tokens_per_block: int  # tokens per block of this group; differs between groups
-    page_bytes: int  # bytes of one block of one layer (the real page size, not a padded stride)
+    # bytes of one block of one layer (the real page size, not a padded stride): one int for every
+    # layer, or one int per entry of layer_names when the group's layers have different page sizes
+    page_bytes: int | tuple[int, ...]
     layer_names: tuple[str, ...]  # the group's layers, in payload order ([layer][block][page])
-    sliding_window: int | None = None  # window in tokens for sliding-window attention, else None
-    kind: str = "full_attention"  # attention kind; "sliding_window" when a window is set
+    # kind sliding_window: the window in tokens; chunked_local_attention: the attention chunk size
+    # (vLLM's attention_chunk_size); None for every other kind
+    sliding_window: int | None = None
+    kind: str = "full_attention"  # one of KIND_NAMES; "sliding_window" when only a window is set
 
     def __post_init__(self) -> None:
         first = self.layer_names[0] if isinstance(self.layer_names, Sequence) and self.layer_names else None
         who = f"KVGroup(layer_names[0]={first!r})"
-        for name in ("tokens_per_block", "page_bytes"):
-            if not _is_pos_int(getattr(self, name)):
-                raise ValueError(f"{who}: {name}={getattr(self, name)!r}; allowed: a positive int")
+        if not _is_pos_int(self.tokens_per_block):
+            raise ValueError(f"{who}: tokens_per_block={self.tokens_per_block!r}; "
+                             "allowed: a positive int")
         if isinstance(self.layer_names, str) or not isinstance(self.layer_names, Sequence):
             raise ValueError(f"{who}: layer_names={self.layer_names!r}; allowed: a sequence of names")
         names = tuple(self.layer_names)
@@ -58,6 +83,23 @@ class KVGroup:
         if dups:
             raise ValueError(f"{who}: layer_names repeats {dups}; allowed: unique names")
         object.__setattr__(self, "layer_names", names)
+        object.__setattr__(self, "page_bytes", self._checked_page_bytes(who, len(names)))
+        self._check_kind(who)
+
+    def _checked_page_bytes(self, who: str, num_layers: int) -> int | tuple[int, ...]:
+        pb = self.page_bytes
+        if isinstance(pb, (tuple, list)):  # not any Sequence: bytes would pass as small ints
+            pages = tuple(pb)
+            if len(pages) == num_layers and all(_is_pos_int(p) for p in pages):
+                return pages  # kept as given, even when all equal: to_dict gives back what came in
+            raise ValueError(f"{who}: page_bytes={list(pages)!r}; allowed: a positive int, or one "
+                             f"positive int per layer ({num_layers} layers)")
+        if not _is_pos_int(pb):
+            raise ValueError(f"{who}: page_bytes={pb!r}; allowed: a positive int, or one positive "
+                             f"int per layer ({num_layers} layers)")
+        return pb
+
+    def _check_kind(self, who: str) -> None:
         if self.sliding_window is not None:
             if not _is_pos_int(self.sliding_window):
                 raise ValueError(
@@ -66,13 +108,46 @@ class KVGroup:
             # A full-attention group with a window is a contradiction; the default kind means "unset".
             if self.kind == "full_attention":
                 object.__setattr__(self, "kind", "sliding_window")
-        if not isinstance(self.kind, str) or not self.kind:
-            raise ValueError(f"{who}: kind={self.kind!r}; allowed: a non-empty string")
-        if self.kind == "sliding_window" and self.sliding_window is None:
-            raise ValueError(f"{who}: kind='sliding_window' with sliding_window=None; allowed: a window > 0")
+        if isinstance(self.kind, str) and self.kind in _REFUSED_KINDS:
+            raise ValueError(f"{who}: kind={self.kind!r} cannot be offloaded: "
+                             f"{_REFUSED_KINDS[self.kind]}; allowed: one of {KIND_NAMES}")
+        if not isinstance(self.kind, str) or self.kind not in KIND_NAMES:
+            raise ValueError(f"{who}: kind={self.kind!r}; allowed: one of {KIND_NAMES}")
+        if self.kind in WINDOWED_KINDS and self.sliding_window is None:
+            what = "the window" if self.kind == "sliding_window" else "the attention chunk size"
+            raise ValueError(f"{who}: kind={self.kind!r} with sliding_window=None; "
+                             f"allowed: {what} in tokens, a window > 0")
+        if self.kind not in WINDOWED_KINDS and self.sliding_window is not None:
+            raise ValueError(f"{who}: sliding_window={self.sliding_window} with "
+                             f"kind={self.kind!r}; allowed: a window only for kinds "
+                             f"{WINDOWED_KINDS}")
+
+    @property
+    def layer_page_bytes(self) -> tuple[int, ...]:
+        """The page size of every layer, in layer order (one entry per layer, always)."""
+        if isinstance(self.page_bytes, tuple):
+            return self.page_bytes
+        return (self.page_bytes,) * len(self.layer_names)
+
+    @property
+    def group_page_bytes(self) -> int:
+        """Bytes of one block across the group's layers (the sum of the layers' pages)."""
+        return sum(self.layer_page_bytes)
+
+    @property
+    def is_state(self) -> bool:
+        """Whether the group's blocks are recurrent states (only the last one is usable)."""
+        return self.kind in STATE_KINDS
+
+    def _fingerprint_pages(self) -> int | list[int]:
+        """Canonical page sizes: equal per-layer sizes decide the same bytes as one int, so they
+        encode as that int (and int fingerprints are unchanged from format 1)."""
+        pages = self.layer_page_bytes
+        return pages[0] if len(set(pages)) == 1 else list(pages)
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"tokens_per_block": self.tokens_per_block, "page_bytes": self.page_bytes,
+        pages = list(self.page_bytes) if isinstance(self.page_bytes, tuple) else self.page_bytes
+        d: dict[str, Any] = {"tokens_per_block": self.tokens_per_block, "page_bytes": pages,
                              "layer_names": list(self.layer_names), "kind": self.kind}
         if self.sliding_window is not None:
             d["sliding_window"] = self.sliding_window
@@ -106,6 +181,7 @@ class KVLayout:
         object.__setattr__(self, "groups", groups)
         self._check_scalars()
         self._check_unique_layers()
+        self._check_state_groups()
         object.__setattr__(self, "blocks_per_chunk", self._resolve_blocks_per_chunk())
 
     def _check_scalars(self) -> None:
@@ -128,6 +204,20 @@ class KVLayout:
                     raise ValueError(f"group {g}: layer {name!r} is already in group {seen[name]}; "
                                      "allowed: each layer name in exactly one group")
                 seen[name] = g
+
+    def _check_state_groups(self) -> None:
+        """Refuse a skipped state group beside offloaded groups: a hybrid model resumes from a
+        prefix only with both its attention KV and its recurrent state, so hits on the attention
+        groups alone could never be used."""
+        offloaded = [g for g, ok in enumerate(self.offloadable) if ok]
+        for g, group in enumerate(self.groups):
+            if group.is_state and not self.offloadable[g] and offloaded:
+                raise ValueError(
+                    f"group {g}: kind={group.kind!r} with "
+                    f"tokens_per_block={group.tokens_per_block} is not a multiple of "
+                    f"tokens_per_hash={self.tokens_per_hash}, so its state cannot be offloaded "
+                    f"while groups {offloaded} are, and their prefix hits would be unusable; "
+                    "allowed: tokens_per_hash dividing every state group's tokens_per_block")
 
     def _resolve_blocks_per_chunk(self) -> tuple[int, ...]:
         if self.chunk_tokens is not None:
@@ -194,15 +284,23 @@ class KVLayout:
     def tokens_per_chunk(self) -> tuple[int, ...]:
         return tuple(gr.tokens_per_block * n for gr, n in zip(self.groups, self.blocks_per_chunk))
 
+    def window_chunks(self, g: int) -> int | None:
+        """How many trailing chunks of group g a load can use (None: all); vLLM's
+        `sliding_window_size_in_chunks` for the same group, which an adapter can check against."""
+        return window_chunks(self.groups[g], self.tokens_per_chunk[g])
+
     def chunk_nbytes(self, g: int) -> int:
-        """Payload bytes of one chunk of group g: [layer][block][page_bytes], contiguous."""
-        group = self.groups[g]
-        return len(group.layer_names) * self.blocks_per_chunk[g] * group.page_bytes
+        """Payload bytes of one chunk of group g: [layer][block][page], contiguous, each layer with
+        its own page size."""
+        return self.blocks_per_chunk[g] * self.groups[g].group_page_bytes
 
     @cached_property
     def fingerprint(self) -> str:
         """sha256 hex of everything that decides a chunk's bytes; stable across processes and runs.
 
+        Per-layer page sizes are encoded canonically (one int when they are all equal, the list
+        otherwise), so `page_bytes=(x, x)` and `page_bytes=x` share chunks: they decide the same
+        bytes.
         Layer names are left out on purpose: the bytes depend on the geometry (layer count, page size,
         block size), not on what the engine calls its layers; names only map tensors locally, so two
         engines naming layers differently can still share chunks.
@@ -217,7 +315,7 @@ class KVLayout:
             "rank": self.rank,
             "blocks_per_chunk": list(self.blocks_per_chunk),
             "groups": [
-                {"tokens_per_block": gr.tokens_per_block, "page_bytes": gr.page_bytes,
+                {"tokens_per_block": gr.tokens_per_block, "page_bytes": gr._fingerprint_pages(),
                  "num_layers": len(gr.layer_names), "kind": gr.kind, "sliding_window": gr.sliding_window}
                 for gr in self.groups
             ],

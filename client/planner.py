@@ -7,7 +7,14 @@ is derived from a single block size.
 
 A chunk is planned only when it is complete (a trailing partial chunk is not stored) and all of its
 blocks are present (block id -1 marks a block the engine does not hold, e.g. one a sliding window
-freed). Its key is the group index (2 bytes, big-endian) followed by the prefix hash at the chunk's
+freed; in a recurrent-state group block id 0 is vLLM's null block too, where align mode points the
+states it no longer keeps). Each group keeps what a later load can use, as vLLM's offloading counts
+it (`sliding_window_size_in_chunks`): the chunks overlapping a sliding window, the
+`ceil(chunk size / tokens_per_chunk)` chunks of chunked local attention, and only the last complete
+chunk of a recurrent-state group, whose block is the state at the block's end (older states are
+never read again, and in align mode they are not even there).
+
+A chunk's key is the group index (2 bytes, big-endian) followed by the prefix hash at the chunk's
 last token, so equal prefixes give equal keys in every process, and the groups never share a key.
 """
 
@@ -20,10 +27,12 @@ from typing import TYPE_CHECKING
 from .hashing import prefix_hashes
 
 if TYPE_CHECKING:
-    from .layout import KVLayout
+    from .layout import KVGroup, KVLayout
 
 # Block id the engine uses for "no block here"; a chunk containing one is not planned.
 MISSING_BLOCK = -1
+# vLLM's null block: in a recurrent-state group, where align mode points the states it dropped.
+NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
@@ -35,7 +44,22 @@ class Chunk:
     block_ids: tuple[int, ...]  # engine block ids of the chunk, in token order
     token_start: int  # first token covered (inclusive)
     token_end: int  # end of the tokens covered (exclusive)
-    nbytes: int  # payload bytes: layers * blocks_per_chunk * page_bytes of the group
+    nbytes: int  # payload bytes: blocks_per_chunk * the sum of the group's per-layer page bytes
+
+
+def window_chunks(group: KVGroup, tokens_per_chunk: int) -> int | None:
+    """How many trailing chunks of `group` a later load can use; None: every chunk.
+
+    vLLM's `get_sliding_window_size_in_chunks` (offloading scheduler) without speculative
+    decoding's extra retained tokens: a sliding window needs `ceil(window / tokens_per_chunk)`
+    chunks, chunked local attention `ceil(attention chunk / tokens_per_chunk)` (it never reaches
+    back past one attention chunk), a recurrent state one.
+    """
+    if group.is_state:
+        return 1
+    if group.sliding_window is None:
+        return None
+    return -(-group.sliding_window // tokens_per_chunk)
 
 
 def plan(
@@ -47,9 +71,11 @@ def plan(
     """Chunks to offload for one request, ordered by group, then token_start.
 
     `block_ids[g][i]` is the block of group g holding tokens `[i*tpb, (i+1)*tpb)`. With
-    `trim_sliding_window`, a sliding-window group keeps only the chunks that overlap the last
-    `sliding_window` tokens before the end of its last complete chunk: older ones are never read
-    again by a load that resumes at that point.
+    `trim_sliding_window`, a sliding-window or chunked-local group keeps only its last
+    `window_chunks` chunks before the end of its last complete chunk (for a sliding window: those
+    overlapping its last `sliding_window` tokens): older ones are never read again by a load that
+    resumes at that point. A recurrent-state group always keeps only its last complete chunk: an
+    older state under a valid prefix key would be garbage for a reader in align mode.
     """
     _check_block_ids(layout, len(token_ids), block_ids)
     hashes = prefix_hashes(token_ids, layout.tokens_per_hash)
@@ -60,15 +86,16 @@ def plan(
         tpc = layout.tokens_per_chunk[g]
         bpc = layout.blocks_per_chunk[g]
         n_chunks = len(token_ids) // tpc
+        window = window_chunks(group, tpc)
         first = 0
-        if trim_sliding_window and group.sliding_window is not None:
-            # smallest c with (c + 1) * tpc > end - window
-            first = max(0, (n_chunks * tpc - group.sliding_window) // tpc)
+        if window is not None and (trim_sliding_window or group.is_state):
+            first = max(0, n_chunks - window)
+        missing = (MISSING_BLOCK, NULL_BLOCK) if group.is_state else (MISSING_BLOCK,)
         prefix = g.to_bytes(2, "big")
         nbytes = layout.chunk_nbytes(g)
         for c in range(first, n_chunks):
             blocks = tuple(block_ids[g][c * bpc : (c + 1) * bpc])
-            if MISSING_BLOCK in blocks:
+            if any(b in missing for b in blocks):
                 continue
             if min(blocks) < 0:
                 raise ValueError(f"group {g}: block id {min(blocks)} in chunk {c}; "

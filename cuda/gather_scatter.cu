@@ -2,13 +2,16 @@
 //
 // Semantics are those of the torch reference (client/copies.py), byte for byte:
 //   * a batch is a list of units (one chunk each: its group, its block ids, its staging offset);
-//   * a unit's staging bytes are [layer][block][page_bytes] over its group's layers, in order;
+//   * a unit's staging bytes are [layer][block][page] over its group's layers, in order, each
+//     layer with its own page size (a group may mix page sizes: MLA latents + indexer caches);
 //   * block id -1 is skipped (its staging bytes and no KV byte are touched);
-//   * block b of a layer is the page_bytes bytes at layer_base + b * stride_bytes.
+//   * block b of a layer is the layer's page_bytes bytes at layer_base + b * stride_bytes.
 //
 // Tables (all 64-bit ints, built by client/kernels.py):
-//   layers[2 * L + 0] = base address of global layer L, layers[2 * L + 1] = its block stride (bytes)
-//   groups[4 * g + 0..3] = first global layer, number of layers, page_bytes, blocks_per_chunk
+//   layers[4 * L + 0..3] = global layer L's base address, block stride (bytes), page_bytes, and
+//                          the offset of its pages in a unit (blocks_per_chunk * the page bytes of
+//                          the group's layers before it)
+//   groups[3 * g + 0..2] = first global layer, number of layers, blocks_per_chunk
 //   units[3 * u + 0..2] = group, index of its first block id in block_ids, staging offset (bytes)
 //   block_ids[...]      = every unit's blocks_per_chunk block ids, back to back
 //
@@ -39,18 +42,18 @@ __host__ __device__ inline int kvt_page(
     const long long g = units[3 * u + 0];
     const long long first_block = units[3 * u + 1];
     const long long staging_offset = units[3 * u + 2];
-    const long long first_layer = groups[4 * g + 0];
-    const long long num_layers = groups[4 * g + 1];
-    const long long page_bytes = groups[4 * g + 2];
-    const long long blocks = groups[4 * g + 3];
+    const long long first_layer = groups[3 * g + 0];
+    const long long num_layers = groups[3 * g + 1];
+    const long long blocks = groups[3 * g + 2];
     if (x >= num_layers * blocks) return 0;
     const long long layer = x / blocks;
     const long long j = x - layer * blocks;
     const long long b = block_ids[first_block + j];
     if (b < 0) return 0;
-    const long long L = first_layer + layer;
-    unsigned char* kv = (unsigned char*)layers[2 * L] + b * layers[2 * L + 1];
-    unsigned char* st = staging + staging_offset + x * page_bytes;
+    const long long* row = layers + 4 * (first_layer + layer);
+    const long long page_bytes = row[2];
+    unsigned char* kv = (unsigned char*)row[0] + b * row[1];
+    unsigned char* st = staging + staging_offset + row[3] + j * page_bytes;
     page->dst = to_staging ? st : kv;
     page->src = to_staging ? kv : st;
     page->nbytes = page_bytes;

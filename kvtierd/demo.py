@@ -44,15 +44,16 @@ DEEPSEEK_V4_FLASH_LIKE = {
     "model": "deepseek-v4-flash-demo", "dtype": "fp8_ds_mla", "tokens_per_hash": 4,
     "blocks_per_chunk": 2,
     "groups": [
-        {"tokens_per_block": 256, "page_bytes": 9344, "kind": "attention",
+        {"tokens_per_block": 256, "page_bytes": 9344, "kind": "mla",
          "layer_names": ["mla.0", "mla.1"]},
         {"tokens_per_block": 64, "page_bytes": 9344, "kind": "sliding_window", "sliding_window": 128,
          "layer_names": ["swa_a.0", "swa_a.1"]},
         {"tokens_per_block": 64, "page_bytes": 9344, "kind": "sliding_window", "sliding_window": 128,
          "layer_names": ["swa_b.0", "swa_b.1"]},
-        {"tokens_per_block": 4, "page_bytes": 9344, "kind": "compressor_state",
+        # compressor states: vLLM's SlidingWindowMLASpec, window = coff * compress_ratio
+        {"tokens_per_block": 4, "page_bytes": 9344, "kind": "sliding_window", "sliding_window": 8,
          "layer_names": ["c4_state.0", "c4_state.1"]},
-        {"tokens_per_block": 8, "page_bytes": 9344, "kind": "compressor_state",
+        {"tokens_per_block": 8, "page_bytes": 9344, "kind": "sliding_window", "sliding_window": 128,
          "layer_names": ["c128_state.0", "c128_state.1"]},
     ],
 }
@@ -74,9 +75,8 @@ def _kv_caches(layout, tokens: int, gen: torch.Generator) -> dict[str, torch.Ten
     caches = {}
     for group in layout.groups:
         blocks = -(-tokens // group.tokens_per_block)
-        for name in group.layer_names:
-            caches[name] = torch.randint(0, 256, (blocks, group.page_bytes), dtype=torch.uint8,
-                                         generator=gen)
+        for name, page in zip(group.layer_names, group.layer_page_bytes):
+            caches[name] = torch.randint(0, 256, (blocks, page), dtype=torch.uint8, generator=gen)
     return caches
 
 

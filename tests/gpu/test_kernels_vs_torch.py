@@ -75,10 +75,25 @@ def test_reference_layouts(path, page):
     gen = torch.Generator().manual_seed(page)
     layout = load_layout(path, page_bytes=page, layers_per_group=3)
     blocks = [layout.blocks_per_chunk[g] * 4 + 3 for g in range(len(layout.groups))]
-    kv = {n: rand((blocks[g], page), gen) for g, gr in enumerate(layout.groups)
-          for n in gr.layer_names}
+    kv = {n: rand((blocks[g], p), gen) for g, gr in enumerate(layout.groups)
+          for n, p in zip(gr.layer_names, gr.layer_page_bytes)}
     units, end = units_for(layout, blocks, 23, gen)
     check(layout, kv, units, end)
+
+
+@pytest.mark.parametrize("align, base", [(1, 3), (16, 0), (256, 8)])
+def test_per_layer_page_sizes(align, base):
+    gen = torch.Generator().manual_seed(align + base)
+    pages = (41984 // 8, 8448 // 8, 657, 17)  # MLA latent + indexer cache pages, and odd ones
+    layout = KVLayout(groups=[KVGroup(tokens_per_block=64, page_bytes=pages, kind="mla",
+                                      layer_names=("a0", "i0", "a1", "i1")),
+                              KVGroup(tokens_per_block=16, page_bytes=(64, 64), layer_names=("u0", "u1"))],
+                      blocks_per_chunk=(3, 2), tokens_per_hash=16, model="m", dtype="fp8_ds_mla")
+    kv = {n: rand((14, p + 7), gen)[:, i % 4:i % 4 + p]
+          for i, (n, p) in enumerate(zip(layout.groups[0].layer_names, pages))}
+    kv |= {"u0": rand((10, 64), gen), "u1": rand((10, 2, 64), gen)[:, 1]}
+    units, end = units_for(layout, [14, 10], 17, gen, align=align, start=align % 5)
+    check(layout, kv, units, end, base)
 
 
 @pytest.mark.parametrize("page", [1, 13, 17, 4095, 4097, 37377])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from helpers.kv import LAYOUT_FILES, load_layout, random_tokens
+from helpers.kv import LAYOUTS_DIR, load_layout, random_tokens
 from kvtier_client import KVTierClient
 
 POISON = 0xAB
@@ -22,9 +22,8 @@ POISON = 0xAB
 def cuda_kv(layout, blocks, gen):
     kv = {}
     for g, group in enumerate(layout.groups):
-        for name in group.layer_names:
-            host = torch.randint(0, 256, (blocks, 2, group.page_bytes), dtype=torch.uint8,
-                                 generator=gen)
+        for name, page in zip(group.layer_names, group.layer_page_bytes):
+            host = torch.randint(0, 256, (blocks, 2, page), dtype=torch.uint8, generator=gen)
             kv[name] = host.cuda()[:, 0]  # K of packed K/V: stride(0) = 2 pages
     return kv
 
@@ -41,7 +40,8 @@ def wait_for(predicate, timeout_s=30.0):
 def test_roundtrip_to_other_blocks_is_byte_exact(daemon_factory):
     daemon = daemon_factory(cpu_bytes="512MiB")
     gen = torch.Generator().manual_seed(5)
-    layout = load_layout(LAYOUT_FILES[0], page_bytes=8192, layers_per_group=3)
+    # one group with per-layer pages (MLA latents + indexer caches)
+    layout = load_layout(LAYOUTS_DIR / "deepseek-v3.2.json", page_bytes=8192, layers_per_group=3)
     blocks = 256
     kv = cuda_kv(layout, blocks, gen)
     tokens = random_tokens(gen, 2048)
@@ -104,7 +104,7 @@ def test_client_killed_mid_transfer_leaves_the_daemon_healthy(daemon_factory, tm
     daemon.check()
     # and it still serves a GPU client
     gen = torch.Generator().manual_seed(9)
-    layout = load_layout(LAYOUT_FILES[-1], page_bytes=4096, layers_per_group=2)
+    layout = load_layout(LAYOUTS_DIR / "llama-3.1-8b.json", page_bytes=4096, layers_per_group=2)
     kv = cuda_kv(layout, 64, gen)
     tokens = random_tokens(gen, 512)
     table = [list(range(-(-512 // gr.tokens_per_block))) for gr in layout.groups]

@@ -22,12 +22,27 @@ POISON = 0xAB
 
 
 def load_layout(path: Path, *, page_bytes: int = 4096, layers_per_group: int = 2) -> KVLayout:
-    """A reference layout with smaller pages and fewer layers; everything else as in the file."""
+    """A reference layout with smaller pages and fewer layers; everything else as in the file.
+
+    A group with per-layer pages keeps them per layer, scaled so that its largest page is
+    ``page_bytes`` (the others keep their ratio to it, at least 1 byte, and stay unequal).
+    """
     data = json.loads(path.read_text())
     for group in data["groups"]:
-        group["page_bytes"] = page_bytes
+        pages = group["page_bytes"]
         group["layer_names"] = group["layer_names"][:layers_per_group]
+        if isinstance(pages, list):
+            top = max(pages)
+            group["page_bytes"] = [max(1, page_bytes * p // top) for p in pages[:layers_per_group]]
+        else:
+            group["page_bytes"] = page_bytes
     return KVLayout.from_dict(data)
+
+
+def layer_pages(layout: KVLayout, g: int) -> list[tuple[str, int]]:
+    """(layer name, its page bytes) of group ``g``, in payload order."""
+    group = layout.groups[g]
+    return list(zip(group.layer_names, group.layer_page_bytes))
 
 
 def simple_layout(*, page_bytes: int, layers: int = 2, tokens_per_block: int = 16,
@@ -48,12 +63,11 @@ def blocks_needed(layout: KVLayout, n_tokens: int) -> list[int]:
 
 def random_kv(layout: KVLayout, num_blocks: Sequence[int], gen: torch.Generator
               ) -> dict[str, torch.Tensor]:
-    """One contiguous uint8 ``[num_blocks[g], page_bytes]`` tensor of random bytes per layer."""
+    """One contiguous uint8 ``[num_blocks[g], page]`` tensor of random bytes per layer."""
     kv = {}
-    for g, group in enumerate(layout.groups):
-        for name in group.layer_names:
-            kv[name] = torch.randint(0, 256, (num_blocks[g], group.page_bytes), dtype=torch.uint8,
-                                     generator=gen)
+    for g in range(len(layout.groups)):
+        for name, pb in layer_pages(layout, g):
+            kv[name] = torch.randint(0, 256, (num_blocks[g], pb), dtype=torch.uint8, generator=gen)
     return kv
 
 
@@ -87,9 +101,8 @@ def poison(kv: dict[str, torch.Tensor]) -> None:
 
 def chunk_pages(layout: KVLayout, kv: dict[str, torch.Tensor], chunk: Chunk) -> list[torch.Tensor]:
     """A chunk's pages in payload order ([layer][block]), copied."""
-    pb = layout.groups[chunk.group].page_bytes
     return [page(kv[name], b, pb).clone()
-            for name in layout.groups[chunk.group].layer_names for b in chunk.block_ids]
+            for name, pb in layer_pages(layout, chunk.group) for b in chunk.block_ids]
 
 
 def assert_chunk_equals(layout: KVLayout, kv: dict[str, torch.Tensor], chunk: Chunk,
@@ -107,9 +120,9 @@ def assert_chunk_equals(layout: KVLayout, kv: dict[str, torch.Tensor], chunk: Ch
 
 def assert_chunk_poisoned(layout: KVLayout, kv: dict[str, torch.Tensor], chunk: Chunk,
                           what: str = "") -> None:
-    for name in layout.groups[chunk.group].layer_names:
+    for name, pb in layer_pages(layout, chunk.group):
         for b in chunk.block_ids:
-            p = page(kv[name], b, layout.groups[chunk.group].page_bytes)
+            p = page(kv[name], b, pb)
             assert bool((p == POISON).all()), (
                 f"{what} group {chunk.group} chunk @token {chunk.token_start}: layer {name!r} "
                 f"block {b} was written although its load reported a miss")
@@ -121,8 +134,7 @@ def assert_untouched_outside(layout: KVLayout, kv: dict[str, torch.Tensor],
     written: dict[str, torch.Tensor] = {n: torch.zeros(raw_bytes(t).shape, dtype=torch.bool)
                                         for n, t in kv.items()}
     for chunk in loaded:
-        pb = layout.groups[chunk.group].page_bytes
-        for name in layout.groups[chunk.group].layer_names:
+        for name, pb in layer_pages(layout, chunk.group):
             for b in chunk.block_ids:
                 start, end = page_range(kv[name], b, pb)
                 written[name][start:end] = True

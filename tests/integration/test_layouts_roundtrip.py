@@ -7,6 +7,7 @@ each group's own tokens_per_block and blocks_per_chunk), not the positions they 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 
@@ -25,7 +26,7 @@ from helpers.kv import (
     simple_layout,
 )
 
-from kvtier_client import KVTierClient
+from kvtier_client import KVGroup, KVLayout, KVTierClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,20 +61,23 @@ def test_reference_layout_round_trips_into_other_blocks(daemon, path, page_bytes
     num_blocks, table_a, table_b = two_tables(blocks_needed(layout, n_tokens))
     kv = {}
     for g, group in enumerate(layout.groups):
-        for name in group.layer_names:
-            kv[name] = torch.empty((num_blocks[g], group.page_bytes), dtype=torch.uint8)
+        for name, page in zip(group.layer_names, group.layer_page_bytes):
+            kv[name] = torch.empty((num_blocks[g], page), dtype=torch.uint8)
             fill_random(kv[name], gen)
 
     chunks_a = layout.plan(tokens, table_a, trim_sliding_window=False)
     chunks_b = layout.plan(tokens, table_b, trim_sliding_window=False)
 
-    # The plan: per-group counts from each group's own tokens_per_chunk; skipped groups get none.
+    # The plan: per-group counts from each group's own tokens_per_chunk; skipped groups get none;
+    # a recurrent-state group only its last complete chunk.
     for g in range(len(layout.groups)):
         count = sum(c.group == g for c in chunks_a)
         if file_offloadable[g]:
-            assert count == n_tokens // file_tpc[g] >= 2, (g, count)
+            complete = n_tokens // file_tpc[g]
+            first = complete - 1 if raw["groups"][g]["kind"] == "mamba" else 0
+            assert complete >= 2 and count == complete - first, (g, count)
             spans = [(c.token_start, c.token_end) for c in chunks_a if c.group == g]
-            assert spans == [(i * file_tpc[g], (i + 1) * file_tpc[g]) for i in range(count)]
+            assert spans == [(i * file_tpc[g], (i + 1) * file_tpc[g]) for i in range(first, complete)]
         else:
             assert count == 0, f"group {g} is not offloadable but got {count} chunks"
     assert [(c.key, c.group, c.token_start) for c in chunks_a] == \
@@ -105,7 +109,9 @@ def test_reference_layout_round_trips_into_other_blocks(daemon, path, page_bytes
             if not layout.offloadable[g]:
                 continue
             kept = [c for c in chunks_b if c.group == g and c in trimmed]
-            if group.sliding_window is None:
+            if group.is_state:
+                assert kept == [c for c in chunks_b if c.group == g] and len(kept) == 1
+            elif group.sliding_window is None:
                 assert len(kept) == n_tokens // tpc[g]
             else:
                 end = (n_tokens // tpc[g]) * tpc[g]
@@ -165,4 +171,45 @@ def test_strided_padded_and_bfloat16_tensors_round_trip(daemon):
         assert_chunk_equals(layout, kv, chunk, pages, "strided")
     # padding bytes, the other half of l1/l3 and every other block stay poison
     assert_untouched_outside(layout, kv, chunks_b)
+    daemon.check()
+
+
+def test_per_layer_page_sizes_round_trip_with_padding_untouched(daemon):
+    """One group whose layers have different page sizes (MLA latent + indexer cache, like
+    DeepSeek-V3.2), in padded, strided and bfloat16 tensors: each layer's own page is copied."""
+    pages = (4100, 824, 1000)
+    layout = KVLayout(groups=[KVGroup(tokens_per_block=64, page_bytes=pages, kind="mla",
+                                      layer_names=("attn.0", "indexer.0", "attn.1"))],
+                      blocks_per_chunk=2, tokens_per_hash=64, model="per-layer", dtype="fp8_ds_mla")
+    assert layout.chunk_nbytes(0) == 2 * sum(pages)
+    gen = torch.Generator().manual_seed(32)
+    n_tokens = 3 * 128 + 37
+    num_blocks, table_a, table_b = two_tables(blocks_needed(layout, n_tokens))
+    n = num_blocks[0]
+    kv = {"attn.0": torch.empty((n, 2, 4100 + 12), dtype=torch.uint8)[:, 1],  # offset, strided
+          "indexer.0": torch.empty((n, 824 + 40), dtype=torch.uint8),  # padding after each page
+          "attn.1": torch.empty((n, 500 + 3), dtype=torch.bfloat16)}  # 1000 B of 1006 per block
+    for t in kv.values():
+        fill_random(t, gen)
+    tokens = random_tokens(gen, n_tokens)
+    chunks_a, chunks_b = layout.plan(tokens, table_a), layout.plan(tokens, table_b)
+    assert len(chunks_a) == 3 and all(c.nbytes == 2 * sum(pages) for c in chunks_a)
+    expected = [chunk_pages(layout, kv, c) for c in chunks_a]
+    assert [len(p) for p in expected[0]] == [4100, 4100, 824, 824, 1000, 1000]
+
+    with KVTierClient.connect(daemon.address, layout=layout, kv_caches=kv) as client:
+        assert client.store(chunks_a).result(timeout=30) == [True] * 3
+        poison(kv)
+        assert client.load(chunks_b).result(timeout=30) == [True] * 3
+        for chunk, want in zip(chunks_b, expected):
+            assert_chunk_equals(layout, kv, chunk, want, "per-layer")
+        assert_untouched_outside(layout, kv, chunks_b)
+        # the same geometry with one page one byte smaller is another layout: a miss, no bytes
+        other = dataclasses.replace(layout.groups[0], page_bytes=(4100, 823, 1000))
+        smaller = dataclasses.replace(layout, groups=(other,))
+        assert smaller.fingerprint != layout.fingerprint
+        with KVTierClient.connect(daemon.address, layout=smaller, kv_caches=kv) as reader:
+            poison(kv)
+            assert reader.load(smaller.plan(tokens, table_b)).result(timeout=30) == [False] * 3
+            assert_untouched_outside(smaller, kv, [])
     daemon.check()

@@ -109,3 +109,67 @@ def test_missing_layer_names_group_and_layer():
     kv = {n: rand_bytes(4, 128) for n in ("a0", "a1", "b0", "b2")}
     with pytest.raises(ValueError, match=r"group 1: layer 'b1' is missing"):
         build_page_tables(layout, kv)
+
+
+# -- per-layer page sizes -----------------------------------------------------------------------------
+
+
+def layout_per_layer(pages=(100, 36, 7, 64)):
+    return KVLayout(groups=[KVGroup(tokens_per_block=16, page_bytes=(48, 48), layer_names=("u0", "u1")),
+                            KVGroup(tokens_per_block=64, page_bytes=pages, kind="mla",
+                                    layer_names=tuple(f"m{i}" for i in range(len(pages))))],
+                    blocks_per_chunk=3, tokens_per_hash=16, model="m", dtype="fp8_ds_mla")
+
+
+def per_layer_kv(layout, blocks=10, pad=9):
+    """Per layer a [blocks, page + pad] tensor of random bytes: pad bytes after every page."""
+    return {name: rand_bytes(blocks, page + pad)
+            for group in layout.groups
+            for name, page in zip(group.layer_names, group.layer_page_bytes)}
+
+
+def test_gather_with_per_layer_pages_puts_each_layer_at_its_own_offset():
+    layout = layout_per_layer()
+    kv = per_layer_kv(layout)
+    units = [CopyUnit(1, (4, 1, 7), 0), CopyUnit(0, (2, 9, 0), 700), CopyUnit(1, (0, 3, -1), 1100)]
+    staging = torch.full((2000,), 0xAB, dtype=torch.uint8)
+    gather(build_page_tables(layout, kv), units, staging)
+    for unit in units:
+        group = layout.groups[unit.group]
+        pos = unit.staging_offset  # [layer][block][page], each layer with its own page size
+        for name, page in zip(group.layer_names, group.layer_page_bytes):
+            for b in unit.block_ids:
+                got = staging[pos:pos + page]
+                want = torch.full((page,), 0xAB, dtype=torch.uint8) if b == -1 else kv[name][b, :page]
+                assert torch.equal(got, want), (unit, name, b)
+                pos += page
+        assert pos - unit.staging_offset == layout.chunk_nbytes(unit.group)
+    assert torch.all(staging[3 * 207:700] == 0xAB) and torch.all(staging[700 + 288:1100] == 0xAB)
+    assert torch.all(staging[1100 + 3 * 207:] == 0xAB)
+
+
+def test_scatter_with_per_layer_pages_writes_only_each_layers_page():
+    layout = layout_per_layer()
+    source = per_layer_kv(layout)
+    units = [CopyUnit(1, (4, 1, 7), 0), CopyUnit(1, (8, -1, 2), 1000)]
+    staging = torch.full((2000,), 0xAB, dtype=torch.uint8)
+    gather(build_page_tables(layout, source), units, staging)
+    kv = {name: torch.full_like(t, 0x5C) for name, t in source.items()}  # poisoned destination
+    scatter(build_page_tables(layout, kv), units, staging)
+    written = {(1, 4), (1, 1), (1, 7), (1, 8), (1, 2)}
+    for g, group in enumerate(layout.groups):
+        for name, page in zip(group.layer_names, group.layer_page_bytes):
+            for b in range(10):
+                want = source[name][b, :page] if (g, b) in written else torch.full(
+                    (page,), 0x5C, dtype=torch.uint8)
+                assert torch.equal(kv[name][b, :page], want), (name, b)
+            assert torch.all(kv[name][:, page:] == 0x5C), name  # the padding after each page
+
+
+def test_per_layer_pages_are_checked_against_each_layers_tensor():
+    layout = layout_per_layer()
+    kv = per_layer_kv(layout, pad=0)
+    kv["m2"] = rand_bytes(10, 6)  # layer m2's page is 7 bytes
+    with pytest.raises(ValueError, match=r"group 1 layer 'm2': a block has 6 bytes, smaller than "
+                                         r"page_bytes=7"):
+        build_page_tables(layout, kv)

@@ -31,9 +31,25 @@ def test_tables_hold_each_layers_block0_address_and_byte_stride():
     kv = {"k": packed[:, 0], "v": packed[:, 1], "s": split}
     tables = build_tables(build_page_tables(layout, kv), layout.blocks_per_chunk)
     base = packed.data_ptr()
-    assert tables.layers == (base, 128, base + 64, 128, split.data_ptr(), 50)
-    assert tables.groups == (0, 2, 64, 2, 2, 1, 48, 3)
-    assert tables.page_bytes == (64, 48) and tables.num_layers == (2, 1)
+    # per layer: address, stride, page bytes, offset of its pages in a unit ([layer][block][page])
+    assert tables.layers == (base, 128, 64, 0, base + 64, 128, 64, 2 * 64,
+                             split.data_ptr(), 50, 48, 0)
+    assert tables.groups == (0, 2, 2, 2, 1, 3)
+    assert tables.chunk_bytes == (2 * 2 * 64, 3 * 48) and tables.num_layers == (2, 1)
+
+
+def test_tables_carry_each_layers_own_page_size_and_offset():
+    layout = KVLayout(groups=[KVGroup(tokens_per_block=16, page_bytes=8, layer_names=("u",)),
+                              KVGroup(tokens_per_block=64, page_bytes=(656, 132, 656),
+                                      layer_names=("a0", "i0", "a1"), kind="mla")],
+                      blocks_per_chunk=3, tokens_per_hash=16, model="m", dtype="fp8_ds_mla")
+    kv = {n: torch.zeros(5, 700, dtype=torch.uint8) for n in ("u", "a0", "i0", "a1")}
+    tables = build_tables(build_page_tables(layout, kv), layout.blocks_per_chunk)
+    rows = [tables.layers[4 * i:4 * i + 4] for i in range(4)]
+    assert [(r[2], r[3]) for r in rows] == [(8, 0), (656, 0), (132, 3 * 656), (656, 3 * (656 + 132))]
+    assert tables.groups == (0, 1, 3, 1, 3, 3)
+    assert tables.chunk_bytes == (24, layout.chunk_nbytes(1)) == (24, 3 * (656 + 132 + 656))
+    assert kernels.unit_nbytes(tables, CopyUnit(1, (0, 1, 2), 0)) == layout.chunk_nbytes(1)
 
 
 def test_unit_rows_pack_units_then_block_ids():

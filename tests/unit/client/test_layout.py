@@ -37,7 +37,8 @@ def replace_group(layout: KVLayout, g: int, **changes) -> KVLayout:
 
 def test_reference_layouts_present():
     names = {p.stem for p in LAYOUT_FILES}
-    assert {"deepseek-v3", "deepseek-v4-flash", "gemma-4-31b", "hash-misaligned", "llama-3.1-8b"} <= names
+    assert {"deepseek-v3", "deepseek-v3.2", "deepseek-v4-flash", "gemma-4-31b", "gpt-oss-120b",
+            "hash-misaligned", "llama-3.1-8b", "llama-4-scout", "qwen3-next-80b-a3b"} <= names
 
 
 @pytest.mark.parametrize("path", LAYOUT_FILES, ids=lambda p: p.stem)
@@ -47,7 +48,9 @@ def test_from_dict_loads_reference_layout(path):
     assert len(layout.groups) == len(data["groups"])
     for group, gd in zip(layout.groups, data["groups"]):
         assert group.layer_names == tuple(gd["layer_names"])
-        assert (group.tokens_per_block, group.page_bytes) == (gd["tokens_per_block"], gd["page_bytes"])
+        pages = gd["page_bytes"]
+        pages = tuple(pages) if isinstance(pages, list) else pages  # a JSON list becomes a tuple
+        assert (group.tokens_per_block, group.page_bytes) == (gd["tokens_per_block"], pages)
         assert group.kind == gd["kind"]
         assert group.sliding_window == gd.get("sliding_window")
     assert layout.blocks_per_chunk == (data["blocks_per_chunk"],) * len(data["groups"])
@@ -137,11 +140,13 @@ def test_blocks_per_chunk_with_matching_chunk_tokens_is_accepted_and_mismatch_re
 
 
 @pytest.mark.parametrize("path", LAYOUT_FILES, ids=lambda p: p.stem)
-def test_chunk_nbytes_is_layers_times_blocks_times_page(path):
+def test_chunk_nbytes_is_blocks_times_the_sum_of_layer_pages(path):
     layout = load(path)
-    for g, group in enumerate(layout.groups):
-        expected = len(group.layer_names) * layout.blocks_per_chunk[g] * group.page_bytes
-        assert layout.chunk_nbytes(g) == expected > 0
+    raw = json.loads(path.read_text())
+    for g, (group, gd) in enumerate(zip(layout.groups, raw["groups"])):
+        pages = gd["page_bytes"]
+        pages = pages if isinstance(pages, list) else [pages] * len(gd["layer_names"])
+        assert layout.chunk_nbytes(g) == layout.blocks_per_chunk[g] * sum(pages) > 0
 
 
 def test_hash_misaligned_group_keeps_its_index_and_is_reported():
@@ -160,8 +165,9 @@ def test_hash_misaligned_group_keeps_its_index_and_is_reported():
 def test_sliding_window_sets_default_kind_only():
     assert KVGroup(tokens_per_block=16, page_bytes=1, layer_names=("a",), sliding_window=8).kind == "sliding_window"
     assert KVGroup(tokens_per_block=16, page_bytes=1, layer_names=("a",)).kind == "full_attention"
-    custom = KVGroup(tokens_per_block=16, page_bytes=1, layer_names=["a"], sliding_window=8, kind="chunked_local")
-    assert custom.kind == "chunked_local"
+    custom = KVGroup(tokens_per_block=16, page_bytes=1, layer_names=["a"], sliding_window=8,
+                     kind="chunked_local_attention")
+    assert custom.kind == "chunked_local_attention"
     assert custom.layer_names == ("a",)
 
 
@@ -234,7 +240,7 @@ def _variants(base: KVLayout) -> dict[str, KVLayout]:
         "page_bytes": replace_group(base, 2, page_bytes=base.groups[2].page_bytes * 2),
         "tokens_per_block": replace_group(base, 0, tokens_per_block=base.groups[0].tokens_per_block * 2),
         "layer_count": replace_group(base, 3, layer_names=base.groups[3].layer_names[:-1]),
-        "kind": replace_group(base, 4, kind="other_state"),
+        "kind": replace_group(base, 0, kind="full_attention"),
         "sliding_window": replace_group(base, 1, sliding_window=base.groups[1].sliding_window * 2),
         "blocks_per_chunk": dataclasses.replace(base, blocks_per_chunk=(2, 2, 2, 2, 4)),
         "world_size": two_ranks,

@@ -125,8 +125,8 @@ def random_units(layout, num_blocks, count, gen, minus_one=0.0, align=256, start
 def test_reference_layouts_match_torch(emulate, path):
     layout = load_layout(path, page_bytes=544, layers_per_group=2)
     blocks = [max(layout.blocks_per_chunk[g] * 3, 4) for g in range(len(layout.groups))]
-    kv = {name: random_storage((blocks[g], 544)) for g, gr in enumerate(layout.groups)
-          for name in gr.layer_names}
+    kv = {name: random_storage((blocks[g], page + 3)) for g, gr in enumerate(layout.groups)
+          for name, page in zip(gr.layer_names, gr.layer_page_bytes)}  # 3 padding bytes a block
     units, end = random_units(layout, blocks, 7, GEN, minus_one=0.2)
     check_both_ways(emulate, layout, kv, units, end + 512)
 
@@ -139,6 +139,26 @@ def test_odd_pages_and_staging_offsets(emulate, page, align):
     kv = {"a": random_storage((9, page + 3)), "b": random_storage((9, page))}
     units, end = random_units(layout, [9], 4, GEN, minus_one=0.15, align=align, start=align % 7)
     check_both_ways(emulate, layout, kv, units, end + 64)
+
+
+@pytest.mark.parametrize("threads", [1, 7, THREADS])
+@pytest.mark.parametrize("align", [1, 16, 256])
+def test_per_layer_page_sizes_match_torch(emulate, align, threads):
+    # DeepSeek-V3.2-like: MLA latents and indexer caches in one group, each with its own page
+    # size (odd ones too), beside a uniform group; padded and offset tensors, -1 blocks
+    pages = (656, 132, 657, 17, 4096)
+    layout = KVLayout(
+        groups=[KVGroup(tokens_per_block=64, page_bytes=pages, kind="mla",
+                        layer_names=tuple(f"m{i}" for i in range(len(pages)))),
+                KVGroup(tokens_per_block=16, page_bytes=(100, 100), layer_names=("u0", "u1"))],
+        blocks_per_chunk=(3, 2), tokens_per_hash=16, model="m", dtype="fp8_ds_mla")
+    kv = {f"m{i}": random_storage((8, page + 5))[:, i % 3:i % 3 + page]
+          for i, page in enumerate(pages)}
+    kv |= {"u0": random_storage((6, 100)), "u1": random_storage((6, 2, 100))[:, 1]}
+    units, end = random_units(layout, [8, 6], 9, GEN, minus_one=0.15, align=align, start=align % 5)
+    check_both_ways(emulate, layout, kv, units, end + 64, threads=threads)
+    tables = build_tables(build_page_tables(layout, kv), layout.blocks_per_chunk)
+    assert [tables.layers[4 * i + 2] for i in range(7)] == [*pages, 100, 100]
 
 
 def test_packed_and_split_kv_strided_views_bf16(emulate):
