@@ -7,7 +7,7 @@ from typing import Hashable
 
 from kvtierd.eviction.base import EvictionPolicy
 from kvtierd.protocol import Status
-from kvtierd.tiers.chunk import ChunkEntry, ChunkState, tenant_of
+from kvtierd.tiers.chunk import ChunkEntry, ChunkState
 
 
 class TierIndex:
@@ -38,9 +38,11 @@ class TierIndex:
         freed = 0
         if pages_needed <= 0:
             return victims, freed
-        for ikey in self.policy.victims():
+        # Only a tier with a partitioned policy (the CPU tier) is asked for one tenant's victims.
+        keys = self.policy.victims() if tenant is None else self.policy.victims_of(tenant)
+        for ikey in keys:
             entry = self.index[ikey]
-            if not entry.evictable or tenant is not None and tenant_of(ikey) != tenant:
+            if not entry.evictable:
                 continue
             victims.append(entry)
             freed += entry.pages

@@ -24,6 +24,7 @@ from collections import Counter
 from typing import Callable, Hashable
 
 from kvtierd.eviction import make_policy
+from kvtierd.eviction.partitioned import PartitionedPolicy
 from kvtierd.protocol import Status
 from kvtierd.tiers.allocator import PageAllocator
 from kvtierd.tiers.arena import Arena
@@ -55,7 +56,8 @@ class CpuTier(TierIndex):
         self.num_pages = arena.nbytes // page_bytes
         self.capacity_bytes = self.num_pages * page_bytes
         self.allocator = PageAllocator(self.num_pages)
-        self.policy = make_policy(policy)
+        # One order for all chunks and one per tenant (a tenant over its quota evicts its own).
+        self.policy = PartitionedPolicy(lambda: make_policy(policy), tenant_of)
         self.high_pages = int(self.num_pages * high_watermark)
         self.low_pages = int(self.num_pages * low_watermark)
         self.on_evict = on_evict
@@ -358,6 +360,7 @@ class CpuTier(TierIndex):
         assert len(self.policy) == len(candidates), "eviction policy and READY chunks disagree"
         self._check_tenants()
         assert all(k in candidates for k in self.policy.victims()), "policy tracks a non-candidate"
+        self.policy.check_invariants()
 
     def _check_tenants(self) -> None:
         pages: Counter[str] = Counter()
