@@ -3,8 +3,9 @@
 #   docker build -t kvtierd:0.1.0 .
 #   docker run --rm --shm-size=10g --ulimit memlock=-1 -v kvtierd-run:/run/kvtierd \
 #     -e KVTIERD_CPU_BYTES=8GiB kvtierd:0.1.0
-# Configure with KVTIERD_* variables, flags after the image name, or a TOML file mounted at
-# /etc/kvtierd/kvtierd.toml with KVTIERD_CONFIG=/etc/kvtierd/kvtierd.toml.
+# Configuration: the image's file /etc/kvtierd/kvtierd.toml (deploy/docker/kvtierd.toml: socket and
+# metrics address) or yours mounted over it, then KVTIERD_* variables and flags you pass. The image
+# sets no KVTIERD_* variable but KVTIERD_CONFIG, so nothing hidden overrides a mounted file.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -30,11 +31,11 @@ RUN python -m venv /opt/kvtierd \
     && chown kvtierd:kvtierd /run/kvtierd /var/lib/kvtierd \
     && chmod 0750 /run/kvtierd /var/lib/kvtierd
 
+COPY deploy/docker/kvtierd.toml /etc/kvtierd/kvtierd.toml
 ENV PATH=/opt/kvtierd/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     XDG_STATE_HOME=/var/lib \
-    KVTIERD_SOCKET=ipc:///run/kvtierd/kvtierd.sock \
-    KVTIERD_METRICS_ADDR=0.0.0.0:9464
+    KVTIERD_CONFIG=/etc/kvtierd/kvtierd.toml
 USER 10001:10001
 VOLUME ["/run/kvtierd", "/var/lib/kvtierd"]
 EXPOSE 9464

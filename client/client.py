@@ -2,7 +2,7 @@
 
 One worker thread owns the socket and the staging buffer, so ``store`` and ``load`` return futures
 and run in submission order; ``lookup`` waits for its answer. Store: gather a batch of chunks into
-staging (torch reference copies on CPU; the GPU kernels and a CUDA IPC staging buffer for CUDA
+staging (merged memmove runs on CPU, ``host_copies``; the GPU kernels and a CUDA IPC staging buffer for CUDA
 tensors, see ``cuda_staging``), then one PUT. Load: one GET into staging, then scatter the
 chunks that hit. A chunk is True only if its bytes are stored (store) or now in its blocks (load).
 
@@ -25,7 +25,8 @@ import torch
 
 from kvtierd.protocol import STORED, Op, Status, Tier
 
-from .copies import CopyUnit, build_page_tables, gather, scatter
+from . import host_copies
+from .copies import CopyUnit, build_page_tables
 from .layout import KVLayout
 from .planner import Chunk
 from .cuda_staging import CudaCopier, tables_device
@@ -57,6 +58,8 @@ class KVTierClient:
         device = tables_device(self._tables)  # CUDA: GPU kernels and a CUDA IPC staging buffer
         self._cuda = (CudaCopier(self._tables, layout.blocks_per_chunk, device)
                       if device.type == "cuda" else None)
+        # CPU tensors: merged memmove runs (host_copies), byte-identical to the torch reference
+        self._host = host_copies.geometries(self._tables) if self._cuda is None else None
         largest = max((layout.chunk_nbytes(g) for g, ok in enumerate(layout.offloadable) if ok),
                       default=0)
         self.staging_bytes = staging_bytes or max(DEFAULT_STAGING_BYTES, align(largest) * 2)
@@ -229,14 +232,14 @@ class KVTierClient:
         return [[c.key, off, self.layout.chunk_nbytes(c.group)] for c, off in batch]
 
     def _gather(self, units: list[CopyUnit], ready: Any) -> None:
-        if self._cuda is None:
-            gather(self._tables, units, self._staging_tensor())
+        if self._host is not None:
+            host_copies.gather(self._host, units, self._staging_tensor())
         else:  # returns once the bytes are in staging: the PUT may go
             self._cuda.gather(units, self._staging, ready)
 
     def _scatter(self, units: list[CopyUnit], ready: Any) -> None:
-        if self._cuda is None:
-            scatter(self._tables, units, self._staging_tensor())
+        if self._host is not None:
+            host_copies.scatter(self._host, units, self._staging_tensor())
         else:  # returns once the blocks hold the bytes: the load's future may resolve
             self._cuda.scatter(units, self._staging, ready)
 

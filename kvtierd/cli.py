@@ -134,13 +134,18 @@ def format_stats(stats: dict[str, Any]) -> str:
             f"{pct:>8.1%}{tier['chunks']:>10}{tier['pending_chunks']:>9}"
             f"{tier.get('evictions', 0):>11}"
         )
+    # The hit rate is the LOOKUP answers' (one per chunk the engine asks about, as on /metrics);
+    # the GET row says how many of the chunks then asked for were served.
+    hits, misses = counts.get("lookup_hits", 0), counts.get("lookup_misses", 0)
+    served, failed = counts.get("get_served", 0), counts.get("get_failed", 0)
     lines += [
         "",
-        f"{'op':<8}{'hits':>10}{'misses':>10}{'hit rate':>10}",
+        f"{'chunks':<8}{'hits':>10}{'misses':>10}{'hit rate':>10}",
+        f"{'lookup':<8}{hits:>10}{misses:>10}{_ratio(hits, misses):>10}",
+        "",
+        f"{'chunks':<8}{'served':>10}{'failed':>10}{'served%':>10}",
+        f"{'get':<8}{served:>10}{failed:>10}{_ratio(served, failed):>10}",
     ]
-    for op in ("lookup", "get"):
-        hits, misses = counts.get(f"{op}_hits", 0), counts.get(f"{op}_misses", 0)
-        lines.append(f"{op:<8}{hits:>10}{misses:>10}{_ratio(hits, misses):>10}")
     lines += format_tenants(stats.get("tenants", {}))
     lines += format_ghosts(stats.get("ghosts", {}))
     return "\n".join(lines)
@@ -167,7 +172,7 @@ def format_ghosts(ghosts: dict[str, Any]) -> list[str]:
     scales = sorted({int(s) for g in ghosts.values() for s in g["hits"]} - {1})
     lines = [
         "",
-        "capacity planning: hit ratio of LOOKUP/GET accesses if the tier were larger",
+        "capacity planning: hit ratio of LOOKUP keys if the tier were larger",
         f"{'tier':<6}{'accesses':>10}{'now':>9}" + "".join(f"{f'at {s}x':>9}" for s in scales)
         + f"{'sampled':>9}",
     ]

@@ -11,9 +11,12 @@ down to that tier with that tier s times bigger — which is what a demoting hie
 
 The feed (from the request handlers, on the request loop, O(1) per key):
 
-* ``access(ikey, hit_tier)`` for every key of a LOOKUP and every item of a GET, hit or miss. Each
-  tier counts the access, the real outcome (scale 1: a hit in this tier or a faster one) and the
-  outcome in each ghost. A miss inserts nothing: as in the real cache, only a PUT does.
+* ``access(ikey, hit_tier)`` for every key of a LOOKUP, hit or miss: one chunk request of the
+  engine, counted as ``kvtierd_hits_total`` / ``kvtierd_misses_total`` count it. Each tier counts the
+  access, the real outcome (scale 1: a hit in this tier or a faster one) and the outcome in each
+  ghost. A miss inserts nothing: as in the real cache, only a PUT does.
+* ``touch(ikey)`` for every GET item: the read makes the key most recent in the ghosts, as it does
+  in the tier, but is not counted again (the LOOKUP before it was the request).
 * ``insert(ikey, nbytes)`` for every PUT item that was committed or already stored (``EXISTS``).
 * ``remove(ikey)`` for every deleted key.
 
@@ -159,7 +162,7 @@ class GhostCaches:
         return xxhash.xxh3_64_intdigest(key, seed=_space_seed(tenant, namespace, rank))
 
     def access(self, ikey: Hashable, hit_tier: str | None) -> None:
-        """One LOOKUP key or GET item; ``hit_tier`` is the tier that really had it (None: miss)."""
+        """One LOOKUP key; ``hit_tier`` is the tier that really had it (None: miss)."""
         key = self.key(ikey)
         real = self._depth.get(hit_tier, -1) if hit_tier is not None else -1
         for tier in self.tiers:
@@ -171,6 +174,14 @@ class GhostCaches:
             for scale, ghost in tier.ghosts.items():
                 if ghost.access(key):
                     tier.hits[scale] += 1
+
+    def touch(self, ikey: Hashable) -> None:
+        """One GET item: most recent in every ghost that holds it; no access is counted."""
+        key = self.key(ikey)
+        for tier in self.tiers:
+            if tier.sampled(key):
+                for ghost in tier.ghosts.values():
+                    ghost.access(key)
 
     def insert(self, ikey: Hashable, nbytes: int) -> None:
         """A PUT item that was committed or already stored."""
@@ -206,7 +217,7 @@ class GhostCollector(Collector):
     def collect(self):
         accesses = CounterMetricFamily(
             "kvtierd_ghost_accesses",
-            "Chunk accesses (LOOKUP keys and GET items) the capacity-planning ghosts of a tier saw",
+            "LOOKUP keys (chunk requests) the capacity-planning ghosts of a tier saw",
             labels=["tier"],
         )
         hits = CounterMetricFamily(

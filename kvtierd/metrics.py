@@ -103,9 +103,16 @@ class DaemonMetrics:
             "kvtierd_request_duration_seconds", "Time from request received to reply sent",
             ["op"], buckets=LATENCY_BUCKETS, registry=r,
         )
-        self.hits = Counter("kvtierd_hits", "Chunk hits (LOOKUP and GET) by tier", ["tier"], registry=r)
+        # Once per chunk the engine asks about: the LOOKUP answer (kvtierd.server.accounting).
+        self.hits = Counter(
+            "kvtierd_hits", "LOOKUP keys found, by the tier that holds them", ["tier"], registry=r
+        )
         self.misses = Counter(
-            "kvtierd_misses", "Chunk misses (LOOKUP and GET) by reason", ["reason"], registry=r
+            "kvtierd_misses", "LOOKUP keys not found, by reason", ["reason"], registry=r
+        )
+        self.get_results = Counter(
+            "kvtierd_get_results", "GET items by result: ok (served) or the status saying why not",
+            ["result"], registry=r,
         )
         self.bytes = Counter(
             "kvtierd_bytes", "Payload bytes moved, by direction and tier", ["direction", "tier"],
@@ -155,6 +162,8 @@ class DaemonMetrics:
             for direction in ("in", "out"):
                 self.bytes.labels(direction, tier)
         self.misses.labels("miss")
+        for result in ("ok", "miss"):
+            self.get_results.labels(result)
 
     def add_tenants(self, tenants, tier) -> None:
         self.registry.register(TenantCollector(tenants, tier))

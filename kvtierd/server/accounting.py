@@ -1,11 +1,22 @@
-"""Hit and miss accounting shared by the index and data ops: metrics plus `kvtierd stats` counts."""
+"""Hit and miss accounting of the index and data ops: metrics plus `kvtierd stats` counts.
+
+A chunk the engine asks about is counted once, by the LOOKUP answer: a hit by the tier that has it
+(``kvtierd_hits_total``) or a miss by its reason (``kvtierd_misses_total``). The GET that follows
+for the hits asks for the same chunks again; counting it as hits too made a real 50 % hit ratio
+read 0.67 (two hits per hit, one miss per miss). GET outcomes are therefore their own series,
+``kvtierd_get_results_total{result}``, one per GET item: ``ok`` (served) or the lower-case status
+that says why a chunk the engine asked for was not served (``miss``: evicted or deleted since the
+lookup, ``checksum_mismatch``, ``no_space`` to promote it, ...). Every one of those is a chunk the
+engine recomputes.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Iterable
 
 from kvtierd.metrics import DaemonMetrics
-from kvtierd.protocol import Status, Tier
+from kvtierd.protocol import Status, Tier, status_name
 
 
 class Accounting:
@@ -13,11 +24,17 @@ class Accounting:
         self.metrics = metrics
         self.counts: Counter[str] = Counter()
 
-    def hit(self, op: str, tier: Tier) -> None:
-        self.counts[f"{op}_hits"] += 1
-        self.counts[f"{op}_hits_{tier.name.lower()}"] += 1
+    def lookup_hit(self, tier: Tier) -> None:
+        self.counts["lookup_hits"] += 1
+        self.counts[f"lookup_hits_{tier.name.lower()}"] += 1
         self.metrics.hits.labels(tier.name.lower()).inc()
 
-    def miss(self, op: str, status: Status) -> None:
-        self.counts[f"{op}_misses"] += 1
+    def lookup_miss(self, status: Status) -> None:
+        self.counts["lookup_misses"] += 1
         self.metrics.misses.labels(status.name.lower()).inc()
+
+    def get_results(self, results: Iterable[int]) -> None:
+        """The per-item statuses of one GET reply, exactly as the client receives them."""
+        for code in results:
+            self.counts["get_served" if code == Status.OK else "get_failed"] += 1
+            self.metrics.get_results.labels(status_name(code).lower()).inc()

@@ -186,17 +186,17 @@ class DataOps:
         status, tier, entry = self.mover.lookup(session.ikey(key), session.fingerprint)
         if entry is not None and entry.nbytes != nbytes:
             status, entry = Status.SIZE_MISMATCH, None
-        self.ghosts.access(session.ikey(key), None if entry is None else tier.name.lower())
+        # A read refreshes the key in the ghosts as in the tier, but the LOOKUP before it counted
+        # this chunk request already (kvtierd.server.accounting).
+        self.ghosts.touch(session.ikey(key))
         if entry is None:
             self._get_miss(batch, i, status)
         elif tier is Tier.NVME:
             self._promote(batch, i, entry, key, offset)
         else:
-            self.accounting.hit("get", Tier.CPU)
             jobs.append(self._copy_out_job(batch, i, entry, offset))
 
     def _get_miss(self, batch: Batch, i: int, status: Status, message: str = "") -> None:
-        self.accounting.miss("get", status)
         if message:
             self._fail(batch, i, status, message)
         else:
@@ -232,10 +232,11 @@ class DataOps:
             else:
                 self.tier.commit(target, source.checksum)
                 target.on_nvme = True
-                self.accounting.hit("get", Tier.NVME)
                 if not batch.session.closed:
                     self._submit(batch, [self._copy_out_job(batch, i, target, offset)],
                                  self._get_job, extend=True)
+                else:  # promoted for the next reader; this one is gone and was served nothing
+                    self._fail(batch, i, Status.NO_SESSION, "the session ended during promotion")
             self.sessions.release_staging(batch.session)
             self._maybe_finish(batch)
             if self.waiting:
@@ -429,6 +430,8 @@ class DataOps:
             return None
         if batch.op is Op.PUT:
             self.tier.enforce_watermarks()
+        else:  # counted here, once per batch: exactly what the client is told per item
+            self.accounting.get_results(batch.results)
         return {"results": batch.results, "errors": batch.errors}
 
     def finish(self, batch: Batch, fields: dict) -> None:

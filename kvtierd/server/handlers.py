@@ -166,10 +166,10 @@ class OpHandlers:
             status, tier, entry = self.mover.lookup(session.ikey(key), session.fingerprint)
             self.ghosts.access(session.ikey(key), None if entry is None else tier.name.lower())
             if entry is None:
-                self.accounting.miss("lookup", status)
+                self.accounting.lookup_miss(status)
                 tiers.append(int(Tier.NONE))
                 continue
-            self.accounting.hit("lookup", tier)
+            self.accounting.lookup_hit(tier)
             if lease:
                 self.sessions.lease(session, entry)
             tiers.append(int(tier))

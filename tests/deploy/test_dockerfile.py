@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from helpers.workload import REPO
 
+from kvtierd.config import load_config
+
 pytestmark = pytest.mark.timeout(300)
 
 DOCKERFILE = REPO / "Dockerfile"
@@ -97,13 +99,36 @@ def test_the_image_runs_the_daemon_as_a_non_root_user_with_a_ping_health_check()
     assert entry[:2] == ["/bin/sh", "-c"] and "exec kvtierd serve \"$@\"" in entry[2]
     assert words["STOPSIGNAL"] == "SIGTERM"
     env = env_of(stage)
-    port = env["KVTIERD_METRICS_ADDR"].rsplit(":", 1)[1]
+    cfg = load_config(image_config_source(), env={})
+    port = cfg.metrics_addr.rsplit(":", 1)[1]
     assert words["EXPOSE"] == port
-    assert env["KVTIERD_METRICS_ADDR"].startswith("0.0.0.0:")  # scrapable from outside
+    assert cfg.metrics_addr.startswith("0.0.0.0:")  # scrapable from outside
     volumes = exec_form(words["VOLUME"])
-    socket_dir = str(Path(env["KVTIERD_SOCKET"].removeprefix("ipc://")).parent)
-    assert socket_dir in volumes
+    assert cfg.ipc_path is not None and str(cfg.ipc_path.parent) in volumes
     assert f"{env['XDG_STATE_HOME']}/kvtierd" in volumes  # persistent tiers
+
+
+def image_config_source() -> Path:
+    """The build-context file the final stage copies to the path KVTIERD_CONFIG names."""
+    target = env_of(final_stage())["KVTIERD_CONFIG"]
+    copies = [args.split() for word, args in final_stage()
+              if word == "COPY" and "--from" not in args]
+    sources = [REPO / src for *srcs, dest in copies for src in srcs if dest == target]
+    assert len(sources) == 1, (target, copies)
+    return sources[0]
+
+
+def test_the_image_environment_sets_no_config_key_that_would_shadow_a_mounted_file():
+    """Regression: ENV KVTIERD_SOCKET / KVTIERD_METRICS_ADDR silently overrode the socket and
+    metrics address of a mounted config file (a Kubernetes ConfigMap): env beats file."""
+    env = env_of(final_stage())
+    assert [k for k in env if k.startswith("KVTIERD_")] == ["KVTIERD_CONFIG"], env
+    # the socket and metrics address live in the image's own file, which a mount replaces
+    cfg = load_config(image_config_source(), env={})
+    assert cfg.socket == "ipc:///run/kvtierd/kvtierd.sock" and cfg.metrics_addr == "0.0.0.0:9464"
+    # and ARG/ENTRYPOINT/CMD do not set one either
+    text = " ".join(args for word, args in final_stage() if word in {"ARG", "ENTRYPOINT", "CMD"})
+    assert "KVTIERD_" not in text and "--socket" not in text and "--metrics-addr" not in text
 
 
 def test_daemon_dependencies_are_pyproject_less_the_engine_side():
@@ -157,14 +182,19 @@ def test_build_steps_replayed_give_a_daemon_that_serves_and_passes_its_health_ch
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, *daemon_requirements()], check=True, timeout=240)
     subprocess.run([*pip, "--no-deps", str(context)], check=True, timeout=240)
-    # 3. start it as the ENTRYPOINT does, with the image's environment (paths moved to tmp)
+    # 3. start it as the ENTRYPOINT does, with the image's environment and an operator's config
+    #    file mounted at KVTIERD_CONFIG (paths moved to tmp): the file's socket and metrics
+    #    address are the ones the daemon and its health check use
     stage = final_stage()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVTIERD_")},
            **env_of(stage)}
     socket_path = tmp_path / "run" / "kvtierd.sock"
     socket_path.parent.mkdir(mode=0o750)
-    env.update(PATH=f"{venv / 'bin'}:{env['PATH']}", KVTIERD_SOCKET=f"ipc://{socket_path}",
-               KVTIERD_METRICS_ADDR="127.0.0.1:0", XDG_STATE_HOME=str(tmp_path / "state"),
+    mounted = tmp_path / "etc" / "kvtierd.toml"
+    mounted.parent.mkdir()
+    mounted.write_text(f'socket = "ipc://{socket_path}"\nmetrics_addr = "127.0.0.1:0"\n')
+    env.update(PATH=f"{venv / 'bin'}:{env['PATH']}", KVTIERD_CONFIG=str(mounted),
+               XDG_STATE_HOME=str(tmp_path / "state"),
                KVTIERD_CPU_BYTES="16MiB", KVTIERD_NVME_BYTES="64MiB",
                KVTIERD_ARENA_NAME=f"kvtierd-docker-test-{os.getpid()}")
     words = dict(stage)
@@ -182,6 +212,7 @@ def test_build_steps_replayed_give_a_daemon_that_serves_and_passes_its_health_ch
             assert proc.poll() is None, (tmp_path / "daemon.log").read_text()
             assert time.monotonic() < deadline, check.stderr + (tmp_path / "daemon.log").read_text()
             time.sleep(0.2)
+        assert socket_path.is_socket()  # the mounted file's socket, not the image's
         # the entrypoint's umask: engines in the daemon's group may connect to the socket
         assert stat.S_IMODE(socket_path.stat().st_mode) & 0o060 == 0o060
         assert stat.S_IMODE(socket_path.stat().st_mode) & 0o007 == 0

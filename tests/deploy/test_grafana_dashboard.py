@@ -70,7 +70,8 @@ def test_dashboard_covers_what_operators_watch():
     for topic in ("tier usage", "tier used / capacity", "hit ratio per tier", "bytes moved",
                   "requests by op", "latency p50", "latency p99", "evictions", "demotions",
                   "promotions", "integrity failures", "sessions",
-                  "hit ratio if the tier were larger"):
+                  "hit ratio if the tier were larger", "lookup misses by reason", "get results",
+                  "time a chunk stays in a tier"):
         assert topic in titles, topic
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
@@ -94,4 +95,5 @@ def test_every_metric_in_every_query_is_exported_by_a_live_daemon(daemon_factory
     assert used, "no metric names found in the dashboard"
     unknown = {n: t for n, t in used.items() if n not in exported | NOT_OURS}
     assert not unknown, f"queries use metrics the daemon does not export: {unknown}"
-    assert {"kvtierd_demotions_total", "kvtierd_promotions_total"} <= set(used)
+    assert {"kvtierd_demotions_total", "kvtierd_promotions_total",
+            "kvtierd_get_results_total"} <= set(used)

@@ -1,6 +1,7 @@
 """deploy/kubernetes/: every manifest validates against Kubernetes' own schemas (strict: no unknown
 fields), its TOML config loads with the daemon's config loader, and the fields that make a node's
-daemon and its engines meet agree: socket directory, /dev/shm, groups, probes, ports, memory."""
+daemon and its engines meet agree: socket directory, groups, probes, ports, memory and the
+daemon's /dev/shm. (test_vllm_args.py parses the engines' vLLM command lines with vLLM itself.)"""
 
 from __future__ import annotations
 
@@ -45,6 +46,38 @@ def env(c: dict) -> dict[str, str]:
 
 def mounts(c: dict) -> dict[str, str]:
     return {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+
+
+def check_daemon_shm(pod: dict, c: dict, cfg) -> None:
+    """The daemon's /dev/shm: a memory emptyDir holding the arena, within the memory limit."""
+    shm = {v["name"]: v for v in pod["volumes"]}["shm"]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    # 64 MiB is Kubernetes' default /dev/shm; the arena and its rounding must fit
+    assert quantity(shm["sizeLimit"]) >= cfg.cpu_bytes + GiB // 2
+    # the tmpfs counts against the container's memory: a sizeLimit above the limit would make the
+    # OOM killer, not a full /dev/shm, the first to stop the arena
+    assert quantity(shm["sizeLimit"]) < quantity(c["resources"]["limits"]["memory"])
+
+
+def check_engine_shares_nothing_but_the_socket_dir(epod: dict, engine: dict) -> None:
+    """Regression: engines set KVTIERD_SOCKET (which kvtier_client never reads) and
+    KVTIER_STAGING_GROUP, and shared the host's /dev/shm for staging; the memfd handshake over
+    the socket directory replaces all of it."""
+    names = {e["name"] for e in engine.get("env", [])}
+    assert not {n for n in names if n.startswith(("KVTIERD_", "KVTIER_"))}, names
+    host_paths = [v["hostPath"]["path"] for v in epod["volumes"] if "hostPath" in v]
+    assert "/dev/shm" not in host_paths and epod["hostIPC"] is False
+    # vLLM keeps its own /dev/shm, a memory emptyDir (64 MiB is too small for its workers)
+    dshm = next(v for v in epod["volumes"] if v["name"] == next(
+        n for n, p in mounts(engine).items() if p == "/dev/shm"))
+    assert dshm["emptyDir"]["medium"] == "Memory"
+
+
+def gpu_scheduling(pod: dict) -> None:
+    """Runs on GPU nodes, tainted ones included."""
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
+        pod["tolerations"]
 
 
 def daemon_config(pod: dict, c: dict, configmaps: dict[str, dict], tmp_path):
@@ -96,14 +129,15 @@ def check_daemon_container(pod: dict, c: dict, cfg, pod_meta: dict) -> None:
     assert pod["terminationGracePeriodSeconds"] >= 35  # the daemon drains for up to 30 s
 
 
-def test_daemonset_and_node_engines_share_socket_dir_and_shm(tmp_path):
+def test_daemonset_and_node_engines_share_the_socket_dir_on_gpu_nodes(tmp_path):
     ds = one("daemonset.yaml", "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     c = container(pod, "kvtierd")
     cfg = daemon_config(pod, c, all_configmaps(), tmp_path)
     check_daemon_container(pod, c, cfg, ds["spec"]["template"]["metadata"])
+    check_daemon_shm(pod, c, cfg)
+    gpu_scheduling(pod)
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["shm"]["hostPath"] == {"path": "/dev/shm", "type": "Directory"}
     socket_host = volumes["socket-dir"]["hostPath"]["path"]
     assert pod["hostIPC"] is False and pod["hostPID"] is False
     assert not cfg.mlock  # see configmap.yaml: no swap, no RLIMIT_MEMLOCK in a container
@@ -113,36 +147,33 @@ def test_daemonset_and_node_engines_share_socket_dir_and_shm(tmp_path):
     assert f"chown {uid}:{gid} {mounts(init)['socket-dir']}" in " ".join(init["command"])
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"],
                                                        "add": ["CHOWN", "FOWNER"]}
-    # an engine pod on the node: same host paths at the same places, in the daemon's group
+    # an engine pod on the node: the same host directory at the same place, in the daemon's group,
+    # on the nodes that run a daemon
     engine_deploy = one("vllm-node-client.yaml", "Deployment")
     epod = engine_deploy["spec"]["template"]["spec"]
     engine = container(epod, "vllm")
     evolumes = {v["name"]: v for v in epod["volumes"]}
-    shm_vol = next(n for n, p in mounts(engine).items() if p == "/dev/shm")
-    assert evolumes[shm_vol]["hostPath"]["path"] == "/dev/shm"
     sock_vol = next(n for n, p in mounts(engine).items() if p == str(cfg.ipc_path.parent))
     assert evolumes[sock_vol]["hostPath"]["path"] == socket_host
-    assert env(engine)["KVTIERD_SOCKET"] == cfg.socket
     assert gid in epod["securityContext"]["supplementalGroups"]
-    assert env(engine)["KVTIER_STAGING_GROUP"] == str(gid)
+    check_engine_shares_nothing_but_the_socket_dir(epod, engine)
+    gpu_scheduling(epod)
 
 
-def test_sidecar_shares_a_sized_memory_emptydir_as_dev_shm(tmp_path):
+def test_sidecar_shares_the_socket_dir_and_sizes_the_daemons_dev_shm(tmp_path):
     deploy = one("sidecar.yaml", "Deployment")
     pod = deploy["spec"]["template"]["spec"]
     c = container(pod, "kvtierd")
     cfg = daemon_config(pod, c, all_configmaps(), tmp_path)
     check_daemon_container(pod, c, cfg, deploy["spec"]["template"]["metadata"])
+    check_daemon_shm(pod, c, cfg)
     engine = container(pod, "vllm")
     volumes = {v["name"]: v for v in pod["volumes"]}
-    shm = volumes["shm"]["emptyDir"]
-    assert shm["medium"] == "Memory"
-    # 64 MiB is Kubernetes' default /dev/shm: the limit must hold the arena plus staging buffers
-    assert quantity(shm["sizeLimit"]) >= cfg.cpu_bytes + GiB
-    assert mounts(engine)["shm"] == mounts(c)["shm"] == "/dev/shm"
     assert mounts(engine)["socket-dir"] == mounts(c)["socket-dir"]
     assert "emptyDir" in volumes["socket-dir"]
-    assert env(engine)["KVTIERD_SOCKET"] == cfg.socket
+    # each container its own /dev/shm: the daemon's arena is not the engine's
+    assert "shm" not in mounts(engine)
+    check_engine_shares_nothing_but_the_socket_dir(pod, engine)
     assert pod["hostIPC"] is False and pod["hostPID"] is False
 
 

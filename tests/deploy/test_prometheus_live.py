@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 import yaml
-from helpers.workload import DEPLOY, run_workload
+from helpers.workload import DEPLOY, engine_half_hits, run_workload
 from test_grafana_dashboard import dashboard, queries
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -114,10 +114,11 @@ def test_prometheus_sees_what_kvtierd_stats_says(prometheus):
     seen = run_workload(d.address)
     stats = d.stats()
     cpu, counts, ghost = stats["tiers"]["cpu"], stats["counts"], stats["ghosts"]["cpu"]
-    hits = counts.get("lookup_hits", 0) + counts.get("get_hits", 0)
-    cpu_hits = counts.get("lookup_hits_cpu", 0) + counts.get("get_hits_cpu", 0)
-    misses = counts.get("lookup_misses", 0) + counts.get("get_misses", 0)
-    assert hits == seen["hits"] and hits + misses == seen["accesses"]
+    hits, cpu_hits = counts.get("lookup_hits", 0), counts.get("lookup_hits_cpu", 0)
+    misses = counts.get("lookup_misses", 0)
+    assert hits == seen["hits"] and hits + misses == seen["lookups"]
+    assert (counts["get_served"], counts["get_failed"]) == \
+        (seen["served"], seen["gets"] - seen["served"])
     expected = {
         'kvtierd_tier_used_bytes{tier="cpu"}': cpu["used_bytes"],
         'kvtierd_tier_capacity_bytes{tier="cpu"}': cpu["capacity_bytes"],
@@ -126,6 +127,8 @@ def test_prometheus_sees_what_kvtierd_stats_says(prometheus):
         'kvtierd_hits_total{tier="cpu"}': cpu_hits,
         "sum(kvtierd_hits_total)": hits,
         "sum(kvtierd_misses_total)": misses,
+        'kvtierd_get_results_total{result="ok"}': seen["served"],
+        "sum(kvtierd_get_results_total)": seen["gets"],
         'kvtierd_ghost_accesses_total{tier="cpu"}': ghost["accesses"],
         'kvtierd_ghost_hits_total{tier="cpu", scale="1"}': ghost["hits"]["1"],
         'kvtierd_ghost_hits_total{tier="cpu", scale="2"}': ghost["hits"]["2"],
@@ -154,13 +157,13 @@ def test_rules_load_healthy_and_every_dashboard_query_evaluates(prometheus):
     def rules_healthy():
         groups = prom.api("rules")["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        return (len(rules) == 11 and all(r["health"] == "ok" for r in rules),
+        return (len(rules) == 14 and all(r["health"] == "ok" for r in rules),
                 [(r["name"], r["health"], r.get("lastError")) for r in rules])
 
     prom.wait_until("rules loaded and healthy", rules_healthy)
     alerts = {r["name"] for g in prom.api("rules", type="alert")["data"]["groups"]
               for r in g["rules"]}
-    assert len(alerts) == 5
+    assert len(alerts) == 6
     for title, expr in queries(dashboard()):
         concrete = (expr.replace("$__rate_interval", "1m").replace("$instance", ".*")
                     .replace("$tier", ".*"))
@@ -169,3 +172,31 @@ def test_rules_load_healthy_and_every_dashboard_query_evaluates(prometheus):
             concrete = f"count({metric})"
         body = prom.api("query", query=concrete)
         assert body["status"] == "success", (title, concrete, body)
+
+
+def test_recorded_hit_ratio_of_engines_hitting_half_the_time_is_half(prometheus):
+    """Regression: the LOOKUP hit and the GET that loads it were both counted as hits, so 50 %
+    engine hits were recorded as 0.67 (2 hits per hit, 1 miss per miss)."""
+    prom, d = prometheus
+    prom.wait_until("target up", lambda: (set(prom.query('up{job="kvtierd"}').values()) == {1.0},
+                                          prom.query("up")))
+    seen = engine_half_hits(d.address)
+    assert seen["hits"] * 2 == seen["lookups"] and seen["served"] == seen["hits"]
+
+    def counted():  # the last GETs came after every LOOKUP: scraped, the traffic is all in
+        got = (sum(prom.query("sum(kvtierd_misses_total)").values()),
+               sum(prom.query('sum(kvtierd_get_results_total{result="ok"})').values()))
+        return got == (seen["lookups"] - seen["hits"], seen["served"]), got
+
+    prom.wait_until("the scraped counters", counted)
+    # the rule evaluated after a scrape that holds the final counts (transient values while the
+    # traffic ran do not count), then its value
+    scraped = max(prom.query("timestamp(kvtierd_misses_total)").values())
+    prom.wait_until("a rule evaluation after that scrape", lambda: (
+        max(prom.query("timestamp(kvtierd:hit:ratio10m)").values(), default=0) > scraped + 1,
+        prom.query("timestamp(kvtierd:hit:ratio10m)")))
+    ratio = prom.query("kvtierd:hit:ratio10m")
+    assert list(ratio.values()) == [pytest.approx(0.5, abs=1e-9)], ratio
+    assert sum(prom.query("sum(kvtierd_hits_total)").values()) == seen["hits"]
+    failed = prom.query("kvtierd:get_failed:ratio10m")
+    assert list(failed.values()) == [0.0], failed

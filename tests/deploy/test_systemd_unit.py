@@ -81,8 +81,6 @@ def test_the_unit_keeps_what_shared_memory_cuda_and_notify_need():
     # the socket lives in the RuntimeDirectory, reachable by the group only
     assert one["RuntimeDirectory"] == "kvtierd" and one["RuntimeDirectoryMode"] == "0750"
     assert one["UMask"] == "0007"
-    socket_env = [v for v in svc["Environment"] if v.startswith("KVTIERD_SOCKET=")]
-    assert socket_env == ["KVTIERD_SOCKET=ipc:///run/kvtierd/kvtierd.sock"]
     # options that would break /dev/shm sharing, the arena's warm restart, or CUDA
     assert one["PrivateDevices"] == "no" and one["RemoveIPC"] == "no"
     assert one.get("MemoryDenyWriteExecute", "no") == "no"
@@ -98,9 +96,21 @@ def test_exec_start_is_a_valid_command_line_with_a_valid_config():
     assert argv[0] == "/usr/local/bin/kvtierd"
     args = build_parser().parse_args(argv[1:])
     assert args.command == "serve" and args.config == "/etc/kvtierd/kvtierd.toml"
-    # the example config installed there is valid, and agrees with the unit's socket
+    # the example config installed there is valid, and puts the socket in the RuntimeDirectory
     cfg = load_config(DEPLOY / "kvtierd.toml", env={})
     assert cfg.socket == "ipc:///run/kvtierd/kvtierd.sock"
+    assert cfg.ipc_path.parent == Path("/run") / service_section()["RuntimeDirectory"][-1]
+
+
+def test_the_unit_sets_no_config_key_that_would_shadow_its_config_file():
+    """Regression: Environment=KVTIERD_SOCKET=... silently overrode the config file's socket."""
+    svc = service_section()
+    assigned = [item.partition("=")[0] for line in svc["Environment"] for item in shlex.split(line)]
+    shadowing = [k for k in assigned if k.startswith("KVTIERD_") and k != "KVTIERD_CONFIG"]
+    assert assigned and not shadowing, assigned
+    assert "EnvironmentFile" not in svc and "PassEnvironment" not in svc
+    flags = [a for a in shlex.split(svc["ExecStart"][-1]) if a.startswith("-")]
+    assert flags == ["--config"], flags
 
 
 # -- the daemon's side of Type=notify ------------------------------------------------------------

@@ -178,8 +178,8 @@ def test_stats_json(daemon_factory):
     assert stats["daemon"]["socket"] == d.address
     assert stats["daemon"]["page_bytes"] == 64 * 1024
     assert stats["daemon"]["pid"] == d.proc.pid
-    assert stats["counts"] == {"lookup_hits": 1, "lookup_misses": 1, "get_hits": 1,
-                               "get_misses": 3, "lookup_hits_cpu": 1, "get_hits_cpu": 1}
+    assert stats["counts"] == {"lookup_hits": 1, "lookup_misses": 1, "lookup_hits_cpu": 1,
+                               "get_served": 1, "get_failed": 3}
 
 
 def test_env_var_is_overridden_by_the_flag(daemon_factory):

@@ -160,7 +160,7 @@ def verify_numbered(d, numbers: list[int], acked: set[int]) -> int:
             f"acknowledged chunks {lost} are gone after the restart; "
             f"integrity failures {metric(m, 'kvtierd_integrity_failures_total')}, "
             f"I/O failures {metric(m, 'kvtierd_io_failures_total')}, "
-            f"misses {[l for l in m.splitlines() if l.startswith('kvtierd_misses_total')]}, "
+            f"GET results {[l for l in m.splitlines() if l.startswith('kvtierd_get_results')]}, "
             f"tiers {tiers(d)}")
     return hits
 
@@ -297,8 +297,9 @@ def test_changed_layout_after_restart_is_a_miss_in_every_tier(daemon_factory):
         assert all(len(f) == 0 for f in frames)
         # and it cannot overwrite them either
         assert raw.put({keys[0]: b"\x5a" * cs_before.nbytes}) == [Status.LAYOUT_MISMATCH]
-    assert metric(d.metrics_text(), "kvtierd_misses_total", reason="layout_mismatch") >= \
-        2 * len(keys)
+    m = d.metrics_text()
+    assert metric(m, "kvtierd_misses_total", reason="layout_mismatch") == len(keys)  # LOOKUP
+    assert metric(m, "kvtierd_get_results_total", result="layout_mismatch") == len(keys)
 
     # client library: the changed layout loads nothing, its blocks stay poisoned
     with KVTierClient.connect(d.address, layout=after, kv_caches=cs_after.kv,

@@ -58,8 +58,8 @@ def test_metrics_agree_with_the_workload_and_stats(daemon_factory):
         flat = [c for chunks in plans for c in chunks]
         looked = client.lookup(flat) + client.lookup(never)
         loaded = client.load(flat).result(timeout=30)
-        hits = sum(looked) + sum(loaded)
-        misses = len(looked) + len(loaded) - hits
+        hits = sum(looked)  # one count per chunk asked about: the LOOKUP answer
+        misses = len(looked) - hits
         assert 0 < sum(loaded) < len(flat), "the workload should both hit and miss"
 
         stats = d.stats()
@@ -73,6 +73,7 @@ def test_metrics_agree_with_the_workload_and_stats(daemon_factory):
             "kvtierd_request_duration_seconds": "histogram", "kvtierd_hits": "counter",
             "kvtierd_misses": "counter", "kvtierd_evictions": "counter",
             "kvtierd_sessions": "gauge", "kvtierd_bytes": "counter",
+            "kvtierd_get_results": "counter",
         }
         assert {n: types.get(n) for n in expected_types} == expected_types
 
@@ -98,13 +99,20 @@ def test_metrics_agree_with_the_workload_and_stats(daemon_factory):
             assert len(buckets) > 5 and buckets[-1] == (math.inf, count)
             assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:])), buckets
 
-        # hits and misses: what the client saw, and what STATS counts
+        # hits and misses: what the client's LOOKUPs saw, and what STATS counts
         counts = stats["counts"]
         assert value(samples, "kvtierd_hits_total", tier="cpu") == hits
-        assert counts.get("lookup_hits", 0) + counts.get("get_hits", 0) == hits
+        assert counts["lookup_hits"] == counts["lookup_hits_cpu"] == hits
         assert total(samples, "kvtierd_misses_total") == misses
         assert value(samples, "kvtierd_misses_total", reason="miss") == misses
-        assert counts.get("lookup_misses", 0) + counts.get("get_misses", 0) == misses
+        assert counts["lookup_misses"] == misses
+        # GET outcomes apart: one result per loaded chunk
+        assert value(samples, "kvtierd_get_results_total", result="ok") == sum(loaded)
+        assert value(samples, "kvtierd_get_results_total", result="miss") == \
+            len(loaded) - sum(loaded)
+        assert total(samples, "kvtierd_get_results_total") == len(loaded)
+        assert (counts["get_served"], counts["get_failed"]) == \
+            (sum(loaded), len(loaded) - sum(loaded))
 
         # bytes: EXISTS re-puts copy nothing
         stored = sum(sizes)
@@ -119,3 +127,26 @@ def test_metrics_agree_with_the_workload_and_stats(daemon_factory):
     assert value(samples, "kvtierd_sessions") == d.stats()["sessions"] == 0
     assert value(samples, "kvtierd_sessions_closed_total", reason="bye") == 1
     d.check()
+
+
+def test_a_hit_looked_up_then_loaded_counts_once_so_half_hits_read_half(daemon_factory):
+    """Regression: a LOOKUP hit and its GET were both counted as hits, a miss once, so an engine
+    whose lookups hit half the time showed a 0.67 hit ratio."""
+    d = daemon_factory(cpu_bytes="16MiB", page_bytes="64KiB", nvme_bytes="0")
+    layout = simple_layout(page_bytes=16000, layers=2, blocks_per_chunk=4, model="half")
+    gen = torch.Generator().manual_seed(52)
+    kv = random_kv(layout, [64], gen)
+    chunks = layout.plan(random_tokens(gen, 12 * CHUNK_TOKENS + 3), [list(range(64))])
+    assert len(chunks) == 12
+    stored, new = chunks[:6], chunks[6:]
+    with KVTierClient.connect(d.address, layout=layout, kv_caches=kv) as client:
+        assert all(client.store(stored).result(timeout=30))
+        # as vLLM's connector does: look up (leasing the hits), then load only the hits
+        looked = client.lookup(stored + new, lease=True)
+        assert looked == [True] * 6 + [False] * 6
+        assert client.load(stored).result(timeout=30) == [True] * 6
+    _, samples = scrape(d)
+    hits, misses = total(samples, "kvtierd_hits_total"), total(samples, "kvtierd_misses_total")
+    assert (hits, misses) == (6, 6)
+    assert hits / (hits + misses) == 0.5
+    assert value(samples, "kvtierd_get_results_total", result="ok") == 6

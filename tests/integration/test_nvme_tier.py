@@ -92,7 +92,7 @@ def test_store_more_than_the_cpu_tier_holds_loads_everything_from_nvme(daemon_fa
         assert promotions >= len(demoted)
         assert metric(m, "kvtierd_bytes_total", direction="promote", tier="nvme") == \
             promotions * cs.nbytes
-        assert metric(m, "kvtierd_hits_total", tier="nvme") >= len(demoted)
+        assert metric(m, "kvtierd_get_results_total", result="ok") >= len(demoted)
         assert metric(m, "kvtierd_io_failures_total") == 0
         assert metric(m, "kvtierd_integrity_failures_total") == 0
         for op in ("demote", "promote"):  # NVMe job latency is recorded per kind
@@ -179,7 +179,7 @@ def test_get_whose_cpu_hits_fill_the_arena_still_promotes_its_nvme_items(daemon_
         free = t["cpu"]["capacity_bytes"] - t["cpu"]["used_bytes"]
         assert len(in_cpu) == 3 and len(on_nvme) == 3 and free < cs.nbytes, t
         hits = cs.load(client, in_cpu + on_nvme, "cpu hits first", per_request=None)
-        no_space = metric(d.metrics_text(), "kvtierd_misses_total", reason="no_space")
+        no_space = metric(d.metrics_text(), "kvtierd_get_results_total", result="no_space")
         assert hits == [True] * len(cs), f"{no_space:.0f} NO_SPACE misses"
     d.check()
 
@@ -208,7 +208,7 @@ def test_flipped_byte_on_nvme_is_a_miss_and_dropped(daemon_factory):
         m = d.metrics_text()
         assert metric(m, "kvtierd_integrity_failures_total", tier="nvme") == 1
         assert metric(m, "kvtierd_integrity_failures_total", tier="cpu") == 0
-        assert metric(m, "kvtierd_misses_total") >= 1
+        assert metric(m, "kvtierd_get_results_total", result="checksum_mismatch") == 1
         # the chunk is gone from both tiers and, once its delete committed, from the index
         assert raw.lookup([cs.keys[victim]]) == [Tier.NONE]
         assert client.lookup([cs.loaded[victim]]) == [False]

@@ -95,6 +95,24 @@ def test_tiers_count_real_hits_and_ghost_hits_and_larger_is_never_worse():
     assert stats["cpu"]["keys"]["2"] <= stats["cpu"]["keys"]["4"]
 
 
+def test_a_get_touch_refreshes_recency_without_counting_an_access():
+    """A LOOKUP counts the chunk request; the GET that loads it must not count it again (hit
+    ratios would read high), but it is a read the real LRU sees, so it keeps the key warm."""
+    ghosts = GhostCaches([("cpu", 2 * PAGE)], PAGE, scales=(2,))  # the 2x ghost holds 4 pages
+    keys = [(("uid:0", "ns", 0), bytes([k]) * 8) for k in range(5)]
+    for ikey in keys[:4]:
+        ghosts.insert(ikey, PAGE)
+    ghosts.touch(keys[0])  # now the most recent: the next insert evicts keys[1] instead
+    ghosts.insert(keys[4], PAGE)
+    assert ghosts.stats()["cpu"]["accesses"] == 0
+    ghosts.access(keys[0], "cpu")
+    assert ghosts.stats()["cpu"]["hits"] == {"1": 1, "2": 1}  # kept by the touch
+    ghosts.access(keys[1], None)
+    stats = ghosts.stats()["cpu"]
+    assert stats["accesses"] == 2 and stats["hits"] == {"1": 1, "2": 1}  # evicted in its place
+    ghosts.check_invariants()
+
+
 def test_a_chunk_larger_than_the_ghost_is_not_held():
     ghost = GhostLRU(4 * PAGE, PAGE)
     ghost.insert(1, 2)
