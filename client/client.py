@@ -29,7 +29,7 @@ from . import host_copies
 from .copies import CopyUnit, build_page_tables
 from .layout import KVLayout
 from .planner import Chunk
-from .cuda_staging import CudaCopier, tables_device
+from .cuda_staging import CudaCopier, CudaStagingBuffer, tables_device
 from .handshake import handshake, handshake_path
 from .staging import MemfdStagingBuffer, align
 from .transport import DaemonError, DaemonUnavailable, Transport
@@ -74,10 +74,24 @@ class KVTierClient:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-client")
         self._last_call = time.monotonic()
         self._closed = threading.Event()
-        self._executor.submit(self._ensure_session).result()
+        try:
+            self._executor.submit(self._ensure_session).result()
+        except BaseException:
+            self._discard()
+            raise
         self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,),
                                            name="kvtier-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _discard(self) -> None:
+        """The constructor failed: release what it made. No PUT or GET went out, so no daemon
+        copy can target a staging buffer, and the copier frees every one at once (a worker that
+        retries every few seconds would otherwise leak its staging each time)."""
+        self._closed.set()
+        self._executor.shutdown(wait=True)
+        self._transport.close()
+        if self._cuda is not None:
+            self._cuda.close()
 
     @classmethod
     def connect(cls, address: str, *, layout: KVLayout, kv_caches: dict[str, torch.Tensor],
@@ -157,18 +171,26 @@ class KVTierClient:
             return
         staging = (self._cuda.new_staging(self.staging_bytes) if self._cuda
                    else MemfdStagingBuffer(self.staging_bytes))
+        hello_sent = False
         try:
             path = handshake_path(self._transport)
             ticket, _ = handshake(path, staging.handshake_kind, staging.nbytes,
                                   staging.fd, self._transport.timeout_s)
             staging.release_fd()  # the daemon has mapped its own copy of the descriptor
+            hello_sent = True
             header, _ = self._transport.call(
                 Op.HELLO, namespace=self.namespace, rank=self.layout.rank,
                 world_size=self.layout.world_size,
                 fingerprint=self.layout.fingerprint, staging=staging.handle(ticket),
                 token=self._token, client={"pid": os.getpid(), "library": "kvtier_client"})
-        except BaseException:  # HandshakeError, DaemonUnavailable, DaemonError: no session
-            staging.close()
+        except BaseException as exc:  # HandshakeError, DaemonUnavailable, DaemonError: no session
+            # Refused, or its handle never sent: the daemon holds no mapping of a device buffer,
+            # which goes at once. A HELLO left unanswered may still be mapped late: retired.
+            if isinstance(staging, CudaStagingBuffer) and (
+                    not hello_sent or isinstance(exc, DaemonError)):
+                staging.free()
+            else:
+                staging.close()
             self._transport.reset()
             raise
         self._staging = staging

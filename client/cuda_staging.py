@@ -72,7 +72,7 @@ class CudaStagingBuffer:
     handshake_kind = "cuda_ipc"
     fd = None  # the handshake passes no descriptor: the IPC handle goes in HELLO
 
-    def __init__(self, nbytes: int, device: int, retire: Any = None) -> None:
+    def __init__(self, nbytes: int, device: int, retire: Any = None, stream: Any = None) -> None:
         if nbytes <= 0:
             raise ValueError(f"staging_bytes={nbytes}; allowed: a positive size")
         self.cupy = import_cupy()
@@ -90,6 +90,7 @@ class CudaStagingBuffer:
                 raise
         self._tensor: torch.Tensor | None = None
         self._retire = retire
+        self._stream = stream  # the only stream that copies into or out of it (the copier's)
 
     def handle(self, ticket: bytes) -> dict:
         return staging_handle(self._handle, self.nbytes, self.device, self.pci_bus_id, ticket)
@@ -118,12 +119,17 @@ class CudaStagingBuffer:
             self.free()
 
     def free(self) -> None:
+        """Free the memory now: for a buffer the daemon never mapped (a refused HELLO) or no
+        longer maps. Waits only for the copier's stream, never for the whole device (that would
+        stall the engine's model streams)."""
         if self.address:
             self._tensor = None
             with self.cupy.cuda.Device(self.device):
-                self.cupy.cuda.runtime.deviceSynchronize()  # no copy of ours may still use it
+                if self._stream is not None:
+                    self._stream.synchronize()  # no kernel of ours may still use it
                 self.cupy.cuda.runtime.free(self.address)
             self.address = 0
+            self._retire = None
 
 
 class CudaCopier:
@@ -140,7 +146,7 @@ class CudaCopier:
 
     def new_staging(self, nbytes: int) -> CudaStagingBuffer:
         self._free_retired(time.monotonic() - RETIRE_S)
-        return CudaStagingBuffer(nbytes, self.device, retire=self._retire)
+        return CudaStagingBuffer(nbytes, self.device, retire=self._retire, stream=self.stream)
 
     def _retire(self, staging: CudaStagingBuffer) -> None:
         self._retired.append((time.monotonic(), staging))
@@ -155,7 +161,8 @@ class CudaCopier:
         self._retired = keep
 
     def close(self) -> None:
-        """Free every staging buffer (the client is closed: its last BYE was answered)."""
+        """Free every staging buffer: the client is closed (its last BYE was answered), or its
+        constructor failed (no PUT or GET ever went out, so no daemon copy can target them)."""
         self._free_retired(float("inf"))
 
     def caller_ready(self) -> Any:

@@ -4,11 +4,13 @@
 msgpack map (and, for ``memfd``, the descriptor by SCM_RIGHTS in the same ``sendmsg``), and
 returns the one-time ticket HELLO presents. The daemon learns who we are from the socket
 (SO_PEERCRED), so nothing here claims an identity. ``handshake_path(transport)`` asks the daemon
-(PING) where its handshake socket is.
+(PING) where its handshake socket is; ``inline_staging`` is the HELLO staging of a session without
+shared memory (``KVTierIndex``), with the credentials when the daemon is local.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from typing import Any
@@ -17,15 +19,15 @@ import msgpack
 
 from kvtierd.protocol import MAX_HANDSHAKE_BYTES, PROTOCOL_VERSION, Op, Status, status_name
 
-from .transport import DaemonUnavailable
+from .transport import DaemonError, DaemonUnavailable
 
 
-class HandshakeError(RuntimeError):
-    """The daemon refused the handshake (``status`` is a ``Status`` number) or did not answer."""
+class HandshakeError(DaemonError):
+    """The daemon refused the staging handshake (``status`` is a ``Status`` number); callers
+    that handle a refused HELLO handle this the same way."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"staging handshake refused: {status_name(status)}: {message}")
-        self.status = status
+        super().__init__(Op.HELLO, status, status_name(status), f"staging handshake: {message}")
 
 
 def handshake(path: str, kind: str, nbytes: int = 0, fd: int | None = None,
@@ -80,6 +82,17 @@ def _read_reply(sock: socket.socket) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise HandshakeError(Status.BAD_MESSAGE, f"handshake reply is a {type(answer).__name__}")
     return answer
+
+
+def inline_staging(transport: Any, timeout_s: float) -> dict:
+    """HELLO's ``staging`` for a session without shared memory: with a ticket carrying our
+    credentials when the daemon's handshake socket is on this host, without one otherwise (a
+    remote TCP client: the daemon then knows it only by its token)."""
+    path = handshake_path(transport)
+    if not os.path.exists(path):
+        return {"kind": "inline"}
+    ticket, _ = handshake(path, "inline", 0, None, timeout_s)
+    return {"kind": "inline", "ticket": ticket}
 
 
 def handshake_path(transport: Any) -> str:

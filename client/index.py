@@ -1,8 +1,8 @@
 """``KVTierIndex``: a session that only asks the daemon about keys, for engine schedulers.
 
 A scheduler decides which chunks to load or store but never touches KV bytes, so it needs no
-staging buffer and no KV tensors: it greets the daemon with an ``inline`` staging (nothing mapped)
-under the namespace, rank and fingerprint of the worker whose chunks it asks about, then sends
+staging buffer and no KV tensors: it greets the daemon with an ``inline`` staging (nothing mapped;
+an inline handshake's ticket gives it the same credentials as the workers) under the namespace, rank and fingerprint of the worker whose chunks it asks about, then sends
 LOOKUP batches. Keys are opaque bytes (an engine's own chunk keys), not planned ``Chunk`` objects.
 
 It runs on the caller's thread with a short timeout and never raises for an absent daemon: after a
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from kvtierd.protocol import Op, Status, Tier
 
-from .handshake import HandshakeError, handshake, handshake_path
+from .handshake import HandshakeError, inline_staging
 from .transport import DaemonError, DaemonUnavailable, Transport
 
 log = logging.getLogger(__name__)
@@ -104,14 +104,11 @@ class KVTierIndex:
     def _ensure_session(self) -> None:
         if self._session is not None:
             return
-        # An inline session still does the handshake: its ticket carries our credentials, so the
-        # daemon puts this index in the same tenant as the workers whose chunks it asks about.
-        ticket, _ = handshake(handshake_path(self._transport), "inline",
-                              timeout_s=self._transport.timeout_s)
+        staging = inline_staging(self._transport, self._transport.timeout_s)  # our credentials
         header, _ = self._transport.call(
             Op.HELLO, namespace=self.namespace, rank=self.rank, world_size=self.world_size,
             fingerprint=self.fingerprint,
-            staging={"kind": "inline", "ticket": ticket}, token=self._token,
+            staging=staging, token=self._token,
             client={"pid": os.getpid(), "library": "kvtier_client.index"})
         self._session = header["session"]
         self._max_batch = int(header.get("limits", {}).get("max_batch", self._max_batch))

@@ -202,8 +202,8 @@ class GatherScatter:
         self.tables = tables
         self.device = device
         module = load_module(device)
-        self._kernels = {name: module.get_function(name) for name in KERNELS}
-        with self.cupy.cuda.Device(device):
+        with self.cupy.cuda.Device(device):  # else a function handle binds to the current GPU
+            self._kernels = {name: module.get_function(name) for name in KERNELS}
             self._layers = self.cupy.asarray(tables.layers or (0,), dtype=self.cupy.int64)
             self._groups = self.cupy.asarray(tables.groups, dtype=self.cupy.int64)
             self._host, self._dev = self._buffers(1024)

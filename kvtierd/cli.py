@@ -60,6 +60,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvtierd.cuda_health import EXIT_CUDA_CONTEXT_LOST, CudaContextLost
     from kvtierd.server.daemon import AlreadyServing, Daemon
 
     cfg = _load(args)
@@ -69,6 +70,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except AlreadyServing as exc:
         logging.getLogger("kvtierd").error("%s", exc)
         return 1
+    except CudaContextLost as exc:  # systemd Restart=on-failure / Kubernetes restart it
+        logging.getLogger("kvtierd").critical("%s", exc)
+        return EXIT_CUDA_CONTEXT_LOST
     return 0
 
 
@@ -85,12 +89,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from kvtierd.protocol import Op
 
     cfg = _load(args)
-    stats = call(cfg.socket, Op.STATS, timeout_s=args.timeout)["stats"]
+    stats = call(cfg.socket, Op.STATS, timeout_s=args.timeout, token=admin_token(cfg))["stats"]
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
     else:
         print(format_stats(stats))
     return 0
+
+
+def admin_token(cfg: Config) -> str:
+    """The token STATS/CHECK present: admin_token, else auth_token (config file or
+    KVTIERD_ADMIN_TOKEN / KVTIERD_AUTH_TOKEN), else none."""
+    return cfg.admin_token or cfg.auth_token
 
 
 def cmd_ping(args: argparse.Namespace) -> int:
@@ -114,6 +124,13 @@ def _ratio(hits: int, misses: int) -> str:
     return f"{hits / total:.1%}" if total else "-"
 
 
+def _connections_line(conns: dict[str, Any]) -> list[str]:
+    if not conns:
+        return []
+    full = ", socket hidden (max_connections reached)" if conns.get("hidden") else ""
+    return [f"connections {conns['open']} of {conns['max']}, {conns['refused']} refused{full}"]
+
+
 def format_stats(stats: dict[str, Any]) -> str:
     """A readable table of a daemon's STATS reply."""
     daemon = stats["daemon"]
@@ -123,6 +140,7 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"protocol {daemon['protocol']}, {stats['sessions']} session(s)",
         f"socket  {daemon['socket']}",
         f"metrics {daemon['metrics'] or 'off'}",
+        *_connections_line(stats.get("connections") or {}),
         "",
         f"{'tier':<6}{'capacity':>12}{'used':>12}{'used%':>8}{'chunks':>10}{'pending':>9}"
         f"{'evictions':>11}",

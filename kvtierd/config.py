@@ -126,8 +126,22 @@ class Config:
     max_batch: int = 8192
     # Threads that copy bytes between staging buffers and tiers (memcpy releases the GIL).
     copy_threads: int = 2
-    # If non-empty, HELLO must carry this token (or one of a configured tenant's tokens).
+    # If non-empty, HELLO must carry this token (or one of a configured tenant's tokens), and
+    # STATS/CHECK need it (or admin_token, or a session opened with it); only PING answers without.
     auth_token: str = ""
+    # If non-empty, a token that grants STATS and CHECK only (monitoring, health checks), never a
+    # session. With either token set, STATS/CHECK without one are answered AUTH_FAILED.
+    admin_token: str = ""
+    # Most client connections the daemon keeps at once; newer ones are shut down at once (and the
+    # ipc socket is hidden until some close). Lowered at start to fit under RLIMIT_NOFILE.
+    max_connections: int = 4096
+    # Most sessions alive at once; a HELLO beyond it is answered BUSY.
+    max_sessions: int = 1024
+    # Most PUT/GET batches one session may have in flight (copies pending); more are answered BUSY.
+    max_in_flight_requests: int = 64
+    # Most payload bytes one inline session's GET replies may hold in the daemon at once (being
+    # built or queued for a peer that has not read them yet); items past it are TOO_LARGE.
+    max_inline_reply_bytes: int = 64 * 1024**2
     # Configured tenants ([tenants.NAME] tables of the TOML file only): peers matched by token,
     # then uid, then gid. A peer that matches none is its own tenant "uid:N" ("anonymous" without
     # credentials). See README "Security model".
@@ -192,8 +206,9 @@ class Config:
     def public_dict(self) -> dict[str, Any]:
         """The config as plain values, with every token masked (for logs and check-config)."""
         data = dataclasses.asdict(self)
-        if data["auth_token"]:
-            data["auth_token"] = "***"
+        for key in ("auth_token", "admin_token"):
+            if data[key]:
+                data[key] = "***"
         for tenant in data["tenants"]:
             tenant["tokens"] = ["***"] * len(tenant["tokens"])
         return data
@@ -206,6 +221,7 @@ _SIZE_KEYS = {
     "max_frame_bytes",
     "max_inline_bytes",
     "max_staging_bytes",
+    "max_inline_reply_bytes",
     "nvme_bytes",
     "tenant_max_bytes",
 }
@@ -278,7 +294,8 @@ def _validate(cfg: Config) -> None:
     if cfg.nvme_bytes and not cfg.nvme_dir:
         raise ConfigError("nvme_dir", cfg.nvme_dir, "a directory (or nvme_bytes = 0)")
     for key in ("io_threads", "max_batch", "copy_threads", "max_header_bytes", "max_inline_bytes",
-                "max_staging_bytes"):
+                "max_staging_bytes", "max_connections", "max_sessions", "max_in_flight_requests",
+                "max_inline_reply_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, getattr(cfg, key), "a positive integer")
     if cfg.max_frame_bytes < max(cfg.max_inline_bytes, cfg.max_header_bytes):

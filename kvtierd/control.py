@@ -17,8 +17,14 @@ class DaemonUnavailable(RuntimeError):
     pass
 
 
-def call(address: str, op: Op, timeout_s: float = 5.0, **fields: Any) -> dict[str, Any]:
-    """Send one request and return the reply header; raise DaemonUnavailable on timeout."""
+def call(address: str, op: Op, timeout_s: float = 5.0, token: str = "", **fields: Any
+         ) -> dict[str, Any]:
+    """Send one request and return the reply header; raise DaemonUnavailable on timeout.
+
+    ``token``: the daemon's ``admin_token`` or ``auth_token``, which STATS and CHECK need once
+    the daemon has one (sent only when given)."""
+    if token:
+        fields["token"] = token
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -179,7 +179,7 @@ def run_demo(args: argparse.Namespace) -> int:
             rows += layout_rows
             timing[spec["model"]] = (store_s, load_s, bad)
         _print_table(rows, timing)
-        stats = call(cfg.socket, Op.STATS)["stats"]
+        stats = call(cfg.socket, Op.STATS, token=cfg.admin_token or cfg.auth_token)["stats"]
         print("\n" + format_stats(stats))
         print(f"\nPrometheus metrics: {stats['daemon']['metrics'] or 'off'}   "
               f"table again: kvtierd stats --socket {cfg.socket}")

@@ -23,6 +23,11 @@ LATENCY_BUCKETS = (
 )
 
 
+# kvtierd_refused_total reasons: max_connections, max_sessions, max_in_flight_requests,
+# max_inline_reply_bytes, a STATS/CHECK without a token.
+REFUSAL_REASONS = ("connections", "sessions", "in_flight", "inline_reply_bytes", "auth")
+
+
 class TierCollector(Collector):
     """Exports a tier's capacity, usage, chunk counts and eviction counters at scrape time."""
 
@@ -147,6 +152,17 @@ class DaemonMetrics:
         self.sessions_closed = Counter(
             "kvtierd_sessions_closed", "Client sessions ended, by reason", ["reason"], registry=r
         )
+        self.handshakes = Counter(
+            "kvtierd_handshakes", "Staging handshakes answered, by kind and status",
+            ["kind", "status"], registry=r,
+        )
+        self.connections = Gauge(
+            "kvtierd_connections", "Client connections open on the ROUTER socket", registry=r
+        )
+        self.refused = Counter(
+            "kvtierd_refused", "Connections and requests refused by a resource limit or a "
+            "missing token, by reason", ["reason"], registry=r,
+        )
         self.info = Gauge(
             "kvtierd_info", "Daemon build information", ["version", "protocol"], registry=r
         )
@@ -162,6 +178,8 @@ class DaemonMetrics:
             for direction in ("in", "out"):
                 self.bytes.labels(direction, tier)
         self.misses.labels("miss")
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(reason)
         for result in ("ok", "miss"):
             self.get_results.labels(result)
 

@@ -43,9 +43,16 @@ Per-op fields (request -> reply):
   ``0 <= offset <= 2**62`` and ``1 <= nbytes <= 2**62`` (and inside the staging buffer).
 * GET ``items: [[key, offset, nbytes], ...]`` -> ``results: [int]`` (``OK`` or why it is a miss).
 * DELETE ``keys: [bytes]`` -> ``results: [int]``.
-* STATS -> ``stats: map`` (tiers, chunks, counters; what ``kvtierd stats`` prints).
+* STATS ``token?: str`` -> ``stats: map`` (tiers, chunks, counters; what ``kvtierd stats``
+  prints). With ``auth_token`` or ``admin_token`` configured, STATS and CHECK need ``token`` (either
+  one) or a session opened with ``auth_token``; otherwise ``AUTH_FAILED``. PING never needs one.
 * BYE -> ``{}``; the session's reservations are aborted and its leases released.
-* CHECK -> ``checked: map`` (what was verified) or ``INTERNAL`` naming the violated invariant.
+* CHECK ``token?: str`` -> ``checked: map`` (what was verified) or ``INTERNAL`` naming the violated
+  invariant.
+
+Resource limits (``limits`` in the HELLO reply): a HELLO past ``max_sessions`` and a PUT/GET while
+the session has ``max_in_flight_requests`` batches in flight are answered ``BUSY``; GET items of an
+inline session past ``max_inline_reply_bytes`` are ``TOO_LARGE``.
 
 Staging handshake (protocol 2). ZeroMQ cannot pass file descriptors nor say who the peer is, so a
 Unix *stream* socket beside the ZeroMQ socket does both (``P.hs`` for ``ipc://P``; the
@@ -114,7 +121,7 @@ class Status(enum.IntEnum):
     SIZE_MISMATCH = 13  # stored chunk has another size than the reader expects
     AUTH_FAILED = 14
     EXISTS = 15  # PUT of a key already stored (same layout): a successful no-op
-    BUSY = 16  # PUT of a key whose first PUT is still in flight
+    BUSY = 16  # PUT of a key whose first PUT is in flight; or a session/in-flight limit reached
     INTERNAL = 17  # a bug: logged with a traceback, the daemon keeps serving
     SHUTTING_DOWN = 18
     CHECKSUM_MISMATCH = 19  # stored bytes no longer match their checksum: dropped, a miss

@@ -139,6 +139,10 @@ class MemfdStaging:
             )
         return None
 
+    @property
+    def closed(self) -> bool:
+        return self._mmap.closed
+
     def close(self) -> None:
         if self._mmap.closed:
             return

@@ -6,25 +6,35 @@ cudaIpcMemHandle_t>, "nbytes": int, "device": int, "pci_bus_id": str (optional)}
 ``cuda_ipc`` staging handshake gives the session its peer's credentials (``OpHandlers``); the daemon
 opens the handle once (``cudaIpcOpenMemHandle``, on the device with that PCI bus id when given, as
 device numbers differ between processes under ``CUDA_VISIBLE_DEVICES``) and closes it when the
-session ends and no copy uses it any more.
+session ends and no copy uses it any more. The announced ``nbytes`` is checked against the real
+allocation (``cuMemGetAddressRange``, see ``cuda_health``) before the session exists: a larger one
+is refused with BAD_HANDLE, as a copy past the mapping would fault the daemon's context for every
+session on that GPU.
 
 Copies are ``cudaMemcpyAsync`` on one stream per device, one per contiguous run of arena bytes
 (adjacent arena runs are merged; runs are cut where a pinned piece ends, see ``tiers.pinning``).
-Each call records an event behind its own copies and waits for it, so copy threads sharing the
-stream wait only for what they need. ``copy_in`` then hashes the arena bytes (xxh3-128) as the
-memfd path does. A daemon without CuPy or a GPU refuses the HELLO with BAD_HANDLE and the reason.
+Each call records an event behind its own copies and waits for it (a blocking event: the copy
+thread sleeps, it does not spin), so copy threads sharing the stream wait only for what they need.
+``copy_in`` then hashes the arena bytes (xxh3-128) as the memfd path does. A CUDA error in a copy
+fails that copy; a sticky one marks the device lost (``cuda_health``): every later copy on it fails
+at once and the daemon exits to be restarted with a fresh context. A daemon without CuPy or a GPU
+refuses the HELLO with BAD_HANDLE and the reason.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from typing import Any
 
+from kvtierd import cuda_health
 from kvtierd.copy import memcpy
 from kvtierd.protocol import ProtocolError, Status
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.pinning import PIECE_BYTES, split_at_pieces
+
+log = logging.getLogger(__name__)
 
 IPC_HANDLE_BYTES = 64
 MEMCPY_HOST_TO_DEVICE = 1
@@ -141,17 +151,23 @@ class CudaIpcStaging:
         by_bus = getattr(runtime, "deviceGetByPCIBusId", None)
         try:
             self.device = by_bus(bus) if bus and by_bus is not None else client_device
-            with cupy.cuda.Device(self.device):
-                self.address = runtime.ipcOpenMemHandle(handle, IPC_LAZY_ENABLE_PEER_ACCESS)
-        except Exception as exc:  # CUDARuntimeError: stale handle, wrong device, same process
-            raise ProtocolError(Status.BAD_HANDLE,
-                                f"cannot open the CUDA IPC handle on device "
-                                f"{bus or client_device}: {exc}") from None
+        except Exception as exc:  # CUDARuntimeError: no such bus id here
+            raise ProtocolError(Status.BAD_HANDLE, f"no CUDA device with PCI bus id {bus!r} is "
+                                f"visible to the daemon: {exc}") from None
+        if self.device in cuda_health.lost():
+            raise ProtocolError(Status.SHUTTING_DOWN, f"the daemon's CUDA context on device "
+                                f"{self.device} was lost; it is restarting")
+        try:
+            self._stream = _stream(cupy, self.device)
+        except Exception as exc:  # CUDARuntimeError: no such device in this process
+            raise ProtocolError(Status.BAD_HANDLE, f"CUDA device {self.device} is not usable by "
+                                f"the daemon: {exc}") from None
+        self._handle = handle
+        self.address = _acquire(cupy, handle, self.nbytes, self.device, bus or client_device)
         self.name = f"cuda_ipc:{self.device}:{self.nbytes}"
         _counts["open_handles"] += 1
         _counts["opened_total"] += 1
         self.piece_bytes = piece_bytes
-        self._stream = _stream(cupy, self.device)
 
     def check_range(self, offset: object, nbytes: object) -> str | None:
         return check_range(offset, nbytes, self.nbytes)
@@ -166,27 +182,104 @@ class CudaIpcStaging:
         self._copy(offset, arena, segments, MEMCPY_HOST_TO_DEVICE)
 
     def _copy(self, offset: int, arena: Arena, segments: list[tuple[int, int]], kind: int) -> None:
+        cuda_health.check_device(self.device)  # never copy on a context that faulted
         cp = self._cupy
         memcpy_async = cp.cuda.runtime.memcpyAsync
         stream = self._stream
         with cp.cuda.Device(self.device):
-            for pos, arena_offset, length in copy_plan(offset, segments, self.piece_bytes):
-                device_ptr = self.address + pos
-                host_ptr = arena.address + arena_offset
-                if kind == MEMCPY_DEVICE_TO_HOST:
-                    memcpy_async(host_ptr, device_ptr, length, kind, stream.ptr)
-                else:
-                    memcpy_async(device_ptr, host_ptr, length, kind, stream.ptr)
-            done = cp.cuda.Event(disable_timing=True)
-            done.record(stream)
-            done.synchronize()
+            try:
+                for pos, arena_offset, length in copy_plan(offset, segments, self.piece_bytes):
+                    device_ptr = self.address + pos
+                    host_ptr = arena.address + arena_offset
+                    if kind == MEMCPY_DEVICE_TO_HOST:
+                        memcpy_async(host_ptr, device_ptr, length, kind, stream.ptr)
+                    else:
+                        memcpy_async(device_ptr, host_ptr, length, kind, stream.ptr)
+                done = cp.cuda.Event(block=True, disable_timing=True)
+                done.record(stream)
+                done.synchronize()
+            except cp.cuda.runtime.CUDARuntimeError as exc:
+                lost = cuda_health.note_failure(cp, self.device, exc)
+                if lost is not None:
+                    raise lost from exc
+                raise
 
     def close(self) -> None:
         if not self.address:
             return
         # Every copy of this session waited for its own event: nothing of ours is in flight.
-        cp = self._cupy
-        with cp.cuda.Device(self.device):
-            cp.cuda.runtime.ipcCloseMemHandle(self.address)
         self.address = 0
         _counts["open_handles"] -= 1
+        _release(self._cupy, self._handle, self.device)
+
+
+# One mapping per (device, handle): a second session announcing a handle that is already open
+# shares it (CUDA may hand back the same pointer for a second open in one process, so a close for
+# one session would unmap the other's buffer under its copies). The loop thread opens and closes.
+_mappings: dict[tuple[int, bytes], list[int]] = {}  # -> [address, allocation bytes, users]
+_mappings_lock = threading.Lock()
+
+
+def _acquire(cupy: Any, handle: bytes, nbytes: int, device: int, where: object) -> int:
+    """The daemon's pointer to the allocation ``handle`` names, checked to hold ``nbytes``."""
+    with _mappings_lock:
+        mapping = _mappings.get((device, handle))
+        if mapping is None:
+            address, available = _open_checked(cupy, handle, device, where)
+            mapping = _mappings[(device, handle)] = [address, available, 0]
+        address, available, _ = mapping
+        if nbytes > available:
+            if mapping[2] == 0:
+                del _mappings[(device, handle)]
+                _close(cupy, address, device)
+            raise ProtocolError(Status.BAD_HANDLE, f"staging nbytes {nbytes} is larger than the "
+                                f"{available}-byte device allocation its CUDA IPC handle names; "
+                                "allowed: at most the allocation (nothing was mapped)")
+        mapping[2] += 1
+        return address
+
+
+def _release(cupy: Any, handle: bytes, device: int) -> None:
+    with _mappings_lock:
+        mapping = _mappings.get((device, handle))
+        if mapping is None:
+            return
+        mapping[2] -= 1
+        if mapping[2] > 0:
+            return
+        del _mappings[(device, handle)]
+    _close(cupy, mapping[0], device)
+
+
+def _close(cupy: Any, address: int, device: int) -> None:
+    try:
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.ipcCloseMemHandle(address)
+    except Exception as exc:  # a lost context refuses every call; the exit frees it all
+        log.warning("cudaIpcCloseMemHandle(0x%x) on device %d failed: %s", address, device, exc)
+
+
+def _open_checked(cupy: Any, handle: bytes, device: int, where: object) -> tuple[int, int]:
+    """Open ``handle`` on ``device``: ``(pointer, bytes of its allocation from the pointer on)``
+    as ``cuMemGetAddressRange`` reports them, or BAD_HANDLE (with the handle closed again)."""
+    runtime = cupy.cuda.runtime
+    with cupy.cuda.Device(device):
+        try:
+            address = runtime.ipcOpenMemHandle(handle, IPC_LAZY_ENABLE_PEER_ACCESS)
+        except Exception as exc:  # CUDARuntimeError: stale handle, wrong device, same process
+            raise ProtocolError(Status.BAD_HANDLE, f"cannot open the CUDA IPC handle on device "
+                                f"{where}: {exc}") from None
+        try:
+            base, size = cuda_health.allocation_range(cupy, address)
+        except cuda_health.DriverError as exc:
+            problem = f"cannot check the size of the CUDA IPC allocation: {exc}"
+        except BaseException:
+            _close(cupy, address, device)
+            raise
+        else:
+            if base <= address < base + size:
+                return address, base + size - address
+            problem = (f"cuMemGetAddressRange puts the opened pointer 0x{address:x} outside "
+                       f"its allocation [0x{base:x}, +{size})")
+        _close(cupy, address, device)
+    raise ProtocolError(Status.BAD_HANDLE, problem)

@@ -4,11 +4,12 @@ The loop polls three things: the ROUTER socket (requests), the copy engine's eve
 completed on copy threads) and the socket monitor (peer disconnects). Nothing else touches the tier,
 so it needs no locks; bytes move on copy threads that only see addresses.
 
-Peer death is detected twice: a session silent for ``session_timeout_s`` is closed, and on every
-ZeroMQ disconnect event the loop probes each session's routing id with an ``id: 0`` notice under
-ROUTER_MANDATORY; a peer that is gone answers EHOSTUNREACH at once and its session is closed.
-(libzmq's ROUTER_NOTIFY would say which peer left, but it is a draft option that the released wheels
-do not build.)
+Peer death is detected twice: a session silent for ``session_timeout_s`` is closed, and after
+ZeroMQ disconnect events the loop probes the sessions' routing ids with an ``id: 0`` notice under
+ROUTER_MANDATORY (coalesced and rate-limited: ``probes``); a peer that is gone answers EHOSTUNREACH
+at once and its session is closed. (libzmq's ROUTER_NOTIFY would say which peer left, but it is a
+draft option that the released wheels do not build.) The socket monitor itself is read by the
+connection guard's thread (``connections``), which also bounds the number of connections.
 """
 
 from __future__ import annotations
@@ -17,16 +18,14 @@ import errno
 import logging
 import os
 import signal
-import socket as pysocket
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
-from kvtierd import __version__
+from kvtierd import __version__, cuda_health
 from kvtierd.config import Config
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.ghost import GhostCaches, GhostCollector
@@ -42,11 +41,16 @@ from kvtierd.protocol import (
     unpack,
 )
 from kvtierd.server.accounting import Accounting
+from kvtierd.server.admission import Admission
+from kvtierd.server.connections import (
+    MONITOR_EVENTS, ConnectionGuard, connection_limit, raise_nofile_limit)
 from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
 from kvtierd.server.handshake import HandshakeServer
 from kvtierd.server.movement import TierMover
+from kvtierd.server.probes import ProbeSchedule
 from kvtierd.server.sessions import SessionTable
+from kvtierd.server.socket_files import AlreadyServing, claim_ipc_path, prepare_socket_dir
 from kvtierd.tenants import TenantTable
 from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
@@ -60,15 +64,10 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.1  # housekeeping period: session and lease expiry, watermarks
 DRAIN_MAX = 256  # requests handled per poll wake-up before housekeeping gets a turn
-PROBE_DELAYS_S = (0.0, 0.2, 1.0)  # a disconnect is probed at once and again, as pipes close late
 NOTICE = pack(reply(0, Status.OK, notice="probe"))
 NEEDS_SESSION = {Op.LOOKUP, Op.PUT, Op.GET, Op.DELETE, Op.BYE}
 MAX_TICKETS = 256  # handshakes awaiting their HELLO (each may hold a client's mapping)
 LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
-
-
-class AlreadyServing(RuntimeError):
-    pass
 
 
 class Daemon:
@@ -78,12 +77,14 @@ class Daemon:
         self.notifier.status(f"mapping the CPU tier ({cfg.cpu_bytes} bytes)")
         self.metrics = DaemonMetrics()
         self.metrics.info.labels(__version__, str(PROTOCOL_VERSION)).set(1)
+        # Before anything opens files: every connection costs a descriptor (see connections).
+        self.max_connections = connection_limit(cfg.max_connections, raise_nofile_limit())
         started = time.perf_counter()
         if cfg.ipc_path is not None:
-            _prepare_socket_dir(cfg.ipc_path.parent, cfg.socket_mode_bits)
-            _claim_ipc_path(cfg.ipc_path)  # before touching a persistent arena another one uses
-        _prepare_socket_dir(cfg.handshake_path.parent, cfg.socket_mode_bits)
-        _claim_ipc_path(cfg.handshake_path)
+            prepare_socket_dir(cfg.ipc_path.parent, cfg.socket_mode_bits)
+            claim_ipc_path(cfg.ipc_path)  # before touching a persistent arena another one uses
+        prepare_socket_dir(cfg.handshake_path.parent, cfg.socket_mode_bits)
+        claim_ipc_path(cfg.handshake_path)
         self.arena = Arena(
             cfg.resolved_arena_name(), cfg.cpu_bytes, prefault=cfg.prefault, lock=cfg.mlock,
             persistent=cfg.cpu_persistent,
@@ -119,13 +120,19 @@ class Daemon:
         self.metrics.add_tiers(self.mover.tier_stats)
         self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s)
         accounting = Accounting(self.metrics)
+        # a session's staging buffer may hold a descriptor: no more sessions than connections
+        max_sessions = min(cfg.max_sessions, self.max_connections)
+        if max_sessions < cfg.max_sessions:
+            log.warning("max_sessions lowered from %d to %d (max_connections in force)",
+                        cfg.max_sessions, max_sessions)
+        self.admission = Admission(cfg, self.metrics, max_sessions)
         self.tickets = TicketBook(cfg.ticket_timeout_s, MAX_TICKETS)
         self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting,
                                    self.tickets, self.tenants)
         self.handshake = HandshakeServer(
             cfg.handshake_path, cfg.socket_mode_bits, self.tickets,
             lambda fd, nbytes: MemfdStaging(fd, nbytes, cfg.max_staging_bytes, self.arena.inode),
-            cfg.max_staging_bytes)
+            cfg.max_staging_bytes, self.metrics.handshakes)
         self.handlers.handshake_stats = self.handshake.counts
         self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
         self._ready_sent = False
@@ -150,9 +157,10 @@ class Daemon:
             Op.CHECK: self.handlers.check,
         }
         self._stop = threading.Event()
-        self._probes: list[float] = []
+        self.probes = ProbeSchedule()
         self.ctx: zmq.Context | None = None
         self.socket: zmq.Socket | None = None
+        self.guard: ConnectionGuard | None = None
 
     def _quota_pages(self, tenant: str) -> int:
         """A tenant's quota in whole pages (rounded down, never past max_bytes), at least one:
@@ -207,6 +215,12 @@ class Daemon:
             self._loop()
         finally:
             self._shutdown()
+        lost = cuda_health.lost()
+        if lost:
+            raise cuda_health.CudaContextLost(
+                "CUDA context lost on " + ", ".join(f"device {d} ({why})" for d, why in
+                                                   sorted(lost.items()))
+                + "; exiting for the supervisor to restart kvtierd with a fresh context")
 
     def _announce_when_pinned(self) -> None:
         """systemd READY=1 once the arena is pinned (or pinning is off/impossible): requests are
@@ -232,13 +246,23 @@ class Daemon:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 10000)
         sock.setsockopt(zmq.RCVHWM, 10000)
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = sock.get_monitor_socket(MONITOR_EVENTS)
         sock.bind(self.cfg.socket)
         self.socket = sock
         if self.cfg.ipc_path is not None:
             os.chmod(self.cfg.ipc_path, self.cfg.socket_mode_bits)
         self.handshake.bind()
         self.handshake.start()
+        self.guard = ConnectionGuard(self.monitor, self.max_connections, self.cfg.ipc_path,
+                                     self._connections_changed, self.probes.disconnected)
+        self.guard.start()
+        self.handlers.connections = self.guard.stats
+
+    def _connections_changed(self, live: int, refused: int) -> None:
+        """Called from the guard's thread (prometheus-client's metrics are thread-safe)."""
+        self.metrics.connections.set(live)
+        if refused:
+            self.metrics.refused.labels("connections").inc(refused)
 
     def _loop(self) -> None:
         assert self.socket is not None
@@ -246,7 +270,6 @@ class Daemon:
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.engine.wake_fd, zmq.POLLIN)
         poller.register(self.io_engine.wake_fd, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
         next_tick = time.monotonic() + TICK_S
         while not self._stop.is_set():
             timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
@@ -257,9 +280,10 @@ class Daemon:
                 self._drain_io()
             if self.socket in events:
                 self._drain_requests()
-            if self.monitor in events:
-                self._drain_monitor()
             self.mover.flush()  # writes and deletes queued by what was just handled
+            if cuda_health.any_lost():  # a sticky CUDA error: stop serving, exit for a restart
+                self._stop.set()
+                break
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + TICK_S
@@ -288,33 +312,25 @@ class Daemon:
             except Exception:
                 log.exception("completing an NVMe job failed")
 
-    def _drain_monitor(self) -> None:
-        while True:
-            try:
-                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                now = time.monotonic()
-                self._probes.extend(now + delay for delay in PROBE_DELAYS_S)
-                self._probe_sessions()
-
-    def _probe_sessions(self) -> None:
+    def _probe_sessions(self, since: float) -> None:
+        """Probe the sessions not heard from since the latest disconnect (``probes``)."""
         assert self.socket is not None
         for session in list(self.sessions.by_identity.values()):
+            if session.last_seen > since:
+                continue  # it spoke after the disconnect: still there
             try:
                 self.socket.send_multipart([session.identity, NOTICE], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 if exc.errno == errno.EHOSTUNREACH:
                     self._close_session(session, "disconnected")
+                # EAGAIN: its queue is full of replies it has not read; it is there
 
     def _housekeeping(self, now: float) -> None:
         self.notifier.watchdog(now)
         self._announce_when_pinned()
-        due = [t for t in self._probes if t <= now]
-        if due:
-            self._probes = [t for t in self._probes if t > now]
-            self._probe_sessions()
+        since = self.probes.due(now)
+        if since is not None:
+            self._probe_sessions(since)
         for session in self.sessions.expire(now):
             self.metrics.sessions_closed.labels("timeout").inc()
         self.metrics.sessions.set(len(self.sessions))
@@ -346,6 +362,8 @@ class Daemon:
         self.io_engine.close()
         if self.nvme is not None:
             self.nvme.close()
+        if self.guard is not None:
+            self.guard.stop()  # the socket file gets its name back before it is removed
         if self.socket is not None:
             self.socket.disable_monitor()
             self.monitor.close(linger=0)
@@ -431,18 +449,27 @@ class Daemon:
 
     def _run(self, op: Op, identity: bytes, header: dict, payload: list) -> Any:
         if op is Op.HELLO:
+            self.admission.check_hello(self.sessions, identity)
             return self.handlers.hello(identity, header, payload)
         session = self.sessions.get(identity)
         if session is None and op in NEEDS_SESSION:
             raise ProtocolError(
                 Status.NO_SESSION, f"{op.name} needs a session: send HELLO first (or again)"
             )
+        self.admission.check_admin(op, session, header)
+        if op is Op.PUT or op is Op.GET:
+            self.admission.check_batch(op, session)
         return self._dispatch[op](session, header, payload)
 
-    def _send(self, identity: bytes, header: dict, frames: list) -> None:
+    def _send(self, identity: bytes, header: dict, frames: list, track: bool = False
+              ) -> zmq.MessageTracker | None:
+        """Send a reply; with ``track``, return what tells when libzmq let go of the payload
+        frames (None: the reply was dropped, nothing is held)."""
         assert self.socket is not None
+        if track:  # one tracker per frame: pyzmq's send_multipart tracks only the last frame
+            frames = [zmq.Frame(f, track=True) for f in frames]
         parts = [identity, pack(header), *frames]
-        copy = not any(len(f) > LARGE_FRAME for f in frames)
+        copy = not track and not any(len(f) > LARGE_FRAME for f in frames)
         try:
             self.socket.send_multipart(parts, zmq.NOBLOCK, copy=copy)
         except zmq.ZMQError as exc:
@@ -452,36 +479,5 @@ class Daemon:
                 log.warning("reply dropped: the peer's queue is full (it does not read replies)")
             else:
                 raise
-
-
-def _prepare_socket_dir(directory: Path, mode: int) -> None:
-    """Create the socket directory (0700) and add the search bits ``mode`` needs (a socket's
-    group/other read-write bits are useless without search on its directory); never removes
-    bits from a directory that has them (e.g. /tmp or /run)."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    wanted = (0o010 if mode & 0o060 else 0) | (0o001 if mode & 0o006 else 0)
-    current = directory.stat().st_mode & 0o7777
-    if current & wanted == wanted:
-        return
-    try:
-        os.chmod(directory, current | wanted)
-    except OSError as exc:
-        log.warning("cannot add search bits %o to socket directory %s (%s): other users may not "
-                    "reach the sockets", wanted, directory, exc.strerror)
-
-
-def _claim_ipc_path(path: Path) -> None:
-    """Remove a stale socket file left by a dead daemon; refuse to steal a live one."""
-    if not path.exists():
-        return
-    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except ConnectionRefusedError:
-        path.unlink(missing_ok=True)
-        return
-    except OSError as exc:
-        raise AlreadyServing(f"{path} exists and is not a usable socket: {exc}") from None
-    finally:
-        probe.close()
-    raise AlreadyServing(f"another kvtierd is already serving at {path}")
+            return None
+        return zmq.MessageTracker(*frames) if track else None

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from kvtierd.config import Config
 from kvtierd.copy import memcpy
+from kvtierd.cuda_health import CudaContextLost
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
@@ -54,6 +55,7 @@ class Batch:
     deferred: bool = False  # the handler returned before the jobs completed
     parked: list[tuple[int, Any, Any, Any]] = field(default_factory=list)  # PUT items awaiting space
     frames: list = field(default_factory=list)  # inline PUT payloads
+    inline_bytes: int = 0  # of the session's max_inline_reply_bytes, what this GET's reply holds
 
     @property
     def done(self) -> bool:
@@ -63,7 +65,7 @@ class Batch:
 class DataOps:
     def __init__(self, cfg: Config, mover: TierMover, sessions: SessionTable, engine: CopyEngine,
                  metrics: DaemonMetrics, accounting: Accounting,
-                 send: Callable[[bytes, dict, list], None], tenants: TenantTable) -> None:
+                 send: Callable[..., Any], tenants: TenantTable) -> None:
         self.cfg = cfg
         self.tenants = tenants
         self.tier = mover.cpu
@@ -94,7 +96,7 @@ class DataOps:
         if batch.parked:
             self.waiting.append(batch)
         self._submit(batch, jobs, self._put_job)
-        return self._reply_if_done(batch)
+        return self._answer_now_or_later(batch)
 
     def _reserve_item(self, batch: Batch, jobs: list, i: int, key: bytes, offset: Any,
                       nbytes: int) -> None:
@@ -166,6 +168,7 @@ class DataOps:
         batch = self._batch(session, Op.GET, header)
         if session.staging is None:
             batch.out_frames = [b""] * len(items)
+            session.release_sent_replies()
         jobs: list[tuple[int, ChunkEntry, Any]] = []
         for i, (key, offset, nbytes) in enumerate(items):
             problem = self._item_problem(session, key, offset, nbytes, None, i)
@@ -177,7 +180,10 @@ class DataOps:
         if batch.parked:
             self.waiting.append(batch)
         self._submit(batch, jobs, self._get_job)
-        done = self._reply_if_done(batch)
+        done = self._answer_now_or_later(batch)
+        if done is not None and session.staging is None:
+            self.finish(batch, done, deferred=False)  # sent tracked: its bytes count until sent
+            return None
         return None if done is None else (done, batch.out_frames)
 
     def _get_item(self, batch: Batch, jobs: list, i: int, key: bytes, offset: Any,
@@ -191,10 +197,24 @@ class DataOps:
         self.ghosts.touch(session.ikey(key))
         if entry is None:
             self._get_miss(batch, i, status)
+        elif session.staging is None and not self._take_inline_budget(batch, entry.nbytes):
+            self.metrics.refused.labels("inline_reply_bytes").inc()
+            self._fail(batch, i, Status.TOO_LARGE,
+                       f"this session's inline GET replies would hold more than "
+                       f"max_inline_reply_bytes ({self.cfg.max_inline_reply_bytes}); ask for "
+                       "fewer or smaller chunks per GET, and read earlier replies")
         elif tier is Tier.NVME:
             self._promote(batch, i, entry, key, offset)
         else:
             jobs.append(self._copy_out_job(batch, i, entry, offset))
+
+    def _take_inline_budget(self, batch: Batch, nbytes: int) -> bool:
+        session = batch.session
+        if session.inline_reply_bytes + nbytes > self.cfg.max_inline_reply_bytes:
+            return False
+        session.inline_reply_bytes += nbytes
+        batch.inline_bytes += nbytes
+        return True
 
     def _get_miss(self, batch: Batch, i: int, status: Status, message: str = "") -> None:
         if message:
@@ -214,6 +234,9 @@ class DataOps:
         if target is None:
             if status is Status.NO_SPACE and self.mover.space_coming():
                 batch.parked.append((i, key, offset, source.nbytes))
+                if batch.session.staging is None:  # taken again when the item is retried
+                    batch.session.inline_reply_bytes -= source.nbytes
+                    batch.inline_bytes -= source.nbytes
                 return
             why = (self._reserve_message(status, source.nbytes, batch.session.tenant)
                    if status is Status.QUOTA_EXCEEDED else "no room in the CPU tier")
@@ -369,12 +392,15 @@ class DataOps:
     def on_copy_done(self, context: tuple[Batch, list], result: Any, error: BaseException | None):
         batch, bucket = context
         session = batch.session
-        if error is not None:
+        if isinstance(error, CudaContextLost):  # logged once, as CRITICAL, by cuda_health
+            log.error("copy for %s batch of session %d failed: %s", batch.op.name, session.id,
+                      error)
+        elif error is not None:
             log.error("copy for %s batch of session %d failed", batch.op.name, session.id,
                       exc_info=error)
         for pos, (index, entry, _) in enumerate(bucket):
             if batch.op is Op.PUT:
-                self._finish_put_item(batch, index, entry, None if error else result[pos])
+                self._finish_put_item(batch, index, entry, None if error else result[pos], error)
             else:
                 corrupt = error is None and pos in result
                 self._finish_get_item(batch, index, entry, error, corrupt)
@@ -392,11 +418,14 @@ class DataOps:
             batch.deferred = False
             self.finish(batch, self._reply_if_done(batch))
 
-    def _finish_put_item(self, batch: Batch, index: int, entry: ChunkEntry, digest) -> None:
+    def _finish_put_item(self, batch: Batch, index: int, entry: ChunkEntry, digest,
+                         error: BaseException | None = None) -> None:
         batch.session.pending.discard(entry)
         if digest is None or batch.session.closed:
             self.tier.abort(entry)
-            if digest is None:
+            if isinstance(error, CudaContextLost):
+                self._fail(batch, index, Status.SHUTTING_DOWN, str(error))
+            elif digest is None:
                 self._fail(batch, index, Status.INTERNAL, "copy into the CPU tier failed")
             else:
                 self._fail(batch, index, Status.NO_SESSION,
@@ -422,8 +451,16 @@ class DataOps:
             if self.tier.index.get(entry.ikey) is entry:
                 self.tier.delete(entry.ikey)
             self._fail(batch, index, Status.CHECKSUM_MISMATCH, "stored bytes failed their check")
+        elif isinstance(error, CudaContextLost):
+            self._fail(batch, index, Status.SHUTTING_DOWN, str(error))
         else:
             self._fail(batch, index, Status.INTERNAL, "copy out of the CPU tier failed")
+
+    def _answer_now_or_later(self, batch: Batch) -> dict | None:
+        done = self._reply_if_done(batch)
+        if done is None:
+            batch.session.batches_in_flight += 1  # until finish: max_in_flight_requests
+        return done
 
     def _reply_if_done(self, batch: Batch) -> dict | None:
         if not batch.done:
@@ -434,10 +471,18 @@ class DataOps:
             self.accounting.get_results(batch.results)
         return {"results": batch.results, "errors": batch.errors}
 
-    def finish(self, batch: Batch, fields: dict) -> None:
-        """Send the reply of a batch whose jobs completed after its handler returned."""
+    def finish(self, batch: Batch, fields: dict, deferred: bool = True) -> None:
+        """Send the reply of a batch whose jobs completed after its handler returned (or of an
+        inline GET, whose payload counts against max_inline_reply_bytes until libzmq sent it)."""
+        session = batch.session
+        if deferred:
+            session.batches_in_flight -= 1
         header = reply(batch.request_id, Status.OK, **fields)
-        self.send(batch.session.identity, header, batch.out_frames)
+        tracker = self.send(session.identity, header, batch.out_frames,
+                            track=batch.inline_bytes > 0)
+        if batch.inline_bytes:
+            session.inline_replies.append((tracker, batch.inline_bytes))
+            session.release_sent_replies()
         op = batch.op.name.lower()
         self.metrics.requests.labels(op, "OK").inc()
         self.metrics.latency.labels(op).observe(time.perf_counter() - batch.started)

@@ -6,13 +6,12 @@ raises ``ProtocolError`` for a request refused as a whole.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import time
 from typing import Callable
 
-from kvtierd import __version__, staging_cuda
+from kvtierd import __version__, cuda_health, staging_cuda
 from kvtierd.config import Config
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
@@ -27,6 +26,7 @@ from kvtierd.protocol import (
 )
 from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
+from kvtierd.server.admission import token_matches
 from kvtierd.server.movement import TierMover
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.server.tickets import TicketBook
@@ -61,6 +61,7 @@ class OpHandlers:
         self.started_at = time.time()
         self.metrics_address: str = ""
         self.pinning: Callable[[], dict] | None = None  # the arena's CUDA pinning progress
+        self.connections: Callable[[], dict] | None = None  # the connection guard's counts
 
     # -- session ---------------------------------------------------------------------------------
     def hello(self, identity: bytes, header: dict, frames: list) -> dict:
@@ -76,9 +77,14 @@ class OpHandlers:
         # "anonymous". Opened last: nothing after it can refuse the HELLO.
         staging, peer = self._open_staging(staging_spec)
         assigned = self.tenants.resolve(peer, token)
-        session = Session(identity, assigned.tenant, namespace, rank, world_size, fingerprint,
-                          staging, client, peer=peer)
-        self.sessions.add(session)
+        try:
+            session = Session(identity, assigned.tenant, namespace, rank, world_size, fingerprint,
+                              staging, client, peer=peer)
+            self.sessions.add(session)
+        except BaseException:  # a refused HELLO keeps no mapping: the client frees its buffer
+            if staging is not None:
+                staging.close()
+            raise
         self.metrics.sessions.set(len(self.sessions))
         log.info(
             "session %d: tenant %s (%s) namespace %s rank %d/%d staging %s peer %s", session.id,
@@ -103,9 +109,9 @@ class OpHandlers:
             raise ProtocolError(Status.AUTH_FAILED, "HELLO token missing or wrong")
         tenant = self.tenants.token_tenant(token) if token else None
         if self.cfg.auth_token:
-            ok = hmac.compare_digest(token.encode("utf-8", "surrogatepass"),
-                                     self.cfg.auth_token.encode("utf-8"))
-            if not ok and tenant is None:
+            # A tenant token is an operator-issued credential too: its session counts as one
+            # opened with auth_token (STATS/CHECK included).
+            if not token_matches(token, self.cfg.auth_token) and tenant is None:
                 raise ProtocolError(Status.AUTH_FAILED, "HELLO token missing or wrong")
         elif token and tenant is None and self.tenants.has_tokens:
             raise ProtocolError(Status.AUTH_FAILED, "HELLO token is no configured tenant's token")
@@ -120,6 +126,8 @@ class OpHandlers:
             "max_inline_bytes": self.cfg.max_inline_bytes,
             "max_frame_bytes": self.cfg.max_frame_bytes,
             "max_staging_bytes": self.cfg.max_staging_bytes,
+            "max_inline_reply_bytes": self.cfg.max_inline_reply_bytes,
+            "max_in_flight_requests": self.cfg.max_in_flight_requests,
         }
 
     def _open_staging(self, spec: dict) -> tuple[MemfdStaging | CudaIpcStaging | None,
@@ -208,12 +216,15 @@ class OpHandlers:
                 "tiers": dict(self.mover.tier_stats()),
                 "tenants": self.tenant_stats(),
                 "sessions": len(self.sessions),
+                "connections": self.connections() if self.connections else {},
                 "handshake": {"socket": str(self.cfg.handshake_path), "tickets": len(self.tickets),
                               **self.handshake_stats},
                 "counts": dict(self.accounting.counts),
                 "ghosts": self.ghosts.stats(),
                 "cuda": {"pinning": self.pinning() if self.pinning else None,
-                         **staging_cuda.stats()},
+                         **staging_cuda.stats(),
+                         # devices whose context hit a sticky error (the daemon is exiting)
+                         "lost": {str(d): why for d, why in cuda_health.lost().items()}},
             }
         }
 

@@ -4,7 +4,8 @@ staging memfd (the wire format is in ``kvtierd.protocol``'s docstring).
 It runs on a thread of its own with non-blocking connections in one selector, so nothing a client
 does here reaches the request loop: a connection that sends nothing is closed at its deadline
 (``DEADLINE_S``), garbage or more than ``MAX_HANDSHAKE_BYTES`` is answered and closed at once, at
-most ``MAX_CONNECTIONS`` handshakes are open together (more are answered BUSY and closed), and at
+most ``MAX_CONNECTIONS`` handshakes are open together and ``MAX_CONNECTIONS_PER_UID`` of one user
+(more are answered BUSY and closed), and at
 most one descriptor is taken from a message (the control buffer has room for ``MAX_FDS``; every
 descriptor received is closed once the handshake ends, a mapped memfd stays alive through its
 mapping). Credentials come from SO_PEERCRED of the connection, never from the message.
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 DEADLINE_S = 2.0  # a handshake must be complete this long after connect
 MAX_CONNECTIONS = 64  # handshakes in progress at once
+MAX_CONNECTIONS_PER_UID = 16  # ... of one user: its silent connections cannot lock others out
 BACKLOG = 256  # connections the kernel queues before the thread accepts them
 DRAIN_BYTES = 256 * 1024  # unread input discarded before a close, so that the answer arrives
 MAX_FDS = 4  # control-buffer room: more than one fd is refused, more than this is truncated
@@ -77,13 +79,15 @@ def reply(status: Status, message: str = "", ticket: bytes = b"", expires_s: flo
 
 class HandshakeServer:
     def __init__(self, path: Path, mode: int, tickets: TicketBook, open_memfd: OpenMemfd,
-                 max_staging_bytes: int) -> None:
+                 max_staging_bytes: int, counter: Any = None) -> None:
+        """``counter``: a prometheus Counter labelled (kind, status), or None."""
         self.path = path
         self.mode = mode
         self.tickets = tickets
         self.open_memfd = open_memfd
         self.max_staging_bytes = max_staging_bytes
         self.counts = {"ok": 0, "refused": 0}  # read by STATS (ints: torn reads are harmless)
+        self._counter = counter
         self._listener: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = threading.Event()
@@ -140,6 +144,7 @@ class HandshakeServer:
                         self._readable(sel, conns, key.data)
                 now = time.monotonic()
                 for conn in [c for c in conns.values() if c.deadline <= now]:
+                    self._count("invalid", Status.BAD_MESSAGE)
                     self._finish(sel, conns, conn, reply(
                         Status.BAD_MESSAGE, f"no complete handshake within {DEADLINE_S:g} s"))
         except Exception:  # a bug here must not leave clients hanging silently: log it loudly
@@ -163,9 +168,17 @@ class HandshakeServer:
             if len(conns) >= MAX_CONNECTIONS:
                 _send_and_close(sock, reply(Status.BUSY, f"{len(conns)} handshakes in progress "
                                             f"(the limit is {MAX_CONNECTIONS}); retry shortly"))
-                self.counts["refused"] += 1
+                self._count("invalid", Status.BUSY)
                 continue
-            conn = _Conn(sock, peer_of(sock), time.monotonic() + DEADLINE_S)
+            peer = peer_of(sock)
+            mine = sum(1 for c in conns.values() if c.peer.uid == peer.uid)
+            if mine >= MAX_CONNECTIONS_PER_UID:
+                _send_and_close(sock, reply(Status.BUSY, f"{mine} handshakes of uid {peer.uid} in "
+                                            f"progress (the limit per user is "
+                                            f"{MAX_CONNECTIONS_PER_UID}); retry shortly"))
+                self._count("invalid", Status.BUSY)
+                continue
+            conn = _Conn(sock, peer, time.monotonic() + DEADLINE_S)
             conns[sock.fileno()] = conn
             sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -182,6 +195,7 @@ class HandshakeServer:
         conn.truncated |= bool(flags & socket.MSG_CTRUNC)
         conn.data += data
         if len(conn.data) > MAX_HANDSHAKE_BYTES:
+            self._count("invalid", Status.TOO_LARGE)
             self._finish(sel, conns, conn, reply(
                 Status.TOO_LARGE, f"handshake message is over {MAX_HANDSHAKE_BYTES} bytes; "
                 f"allowed: one msgpack map of at most {MAX_HANDSHAKE_BYTES} bytes"))
@@ -196,6 +210,7 @@ class HandshakeServer:
                 self._finish(sel, conns, conn, None, "closed before a whole message")
             return
         except Exception as exc:  # msgpack raises several unrelated types for bad input
+            self._count("invalid", Status.BAD_MESSAGE)
             self._finish(sel, conns, conn, reply(
                 Status.BAD_MESSAGE, f"handshake is not valid msgpack: {exc}"))
             return
@@ -212,17 +227,22 @@ class HandshakeServer:
                     staging.close()
                 raise
         except ProtocolError as exc:
-            self.counts["refused"] += 1
+            self._count(_kind_label(message), exc.status)
             log.info("staging handshake of %s refused: %s: %s", conn.peer.describe(),
                      exc.status.name, exc.message)
             return reply(exc.status, exc.message)
         except Exception as exc:
-            self.counts["refused"] += 1
+            self._count(_kind_label(message), Status.INTERNAL)
             log.exception("staging handshake of %s failed", conn.peer.describe())
             return reply(Status.INTERNAL, f"internal error: {exc}")
-        self.counts["ok"] += 1
+        self._count(kind, Status.OK)
         log.debug("staging handshake of %s: %s, %d bytes", conn.peer.describe(), kind, nbytes)
         return reply(Status.OK, ticket=ticket, expires_s=self.tickets.ttl_s)
+
+    def _count(self, kind: str, status: Status) -> None:
+        self.counts["ok" if status is Status.OK else "refused"] += 1
+        if self._counter is not None:
+            self._counter.labels(kind, status.name).inc()
 
     def _check(self, conn: _Conn, message: Any) -> tuple[str, int]:
         if not isinstance(message, dict):
@@ -263,6 +283,12 @@ class HandshakeServer:
             conn.sock.close()
         else:
             _send_and_close(conn.sock, answer)
+
+
+def _kind_label(message: Any) -> str:
+    """A bounded metrics label: the handshake's kind when it is a known one."""
+    kind = message.get("kind") if isinstance(message, dict) else None
+    return kind if kind in STAGING_KINDS else "invalid"
 
 
 def _send_and_close(sock: socket.socket, data: bytes) -> None:

@@ -42,6 +42,21 @@ class Session:
     pending: set[ChunkEntry] = field(default_factory=set)  # reservations not yet committed
     in_flight: int = 0  # copy jobs that still use the staging buffer
     closed: bool = False
+    batches_in_flight: int = 0  # PUT/GET batches answered later (max_in_flight_requests)
+    # Inline GET replies still held by the daemon or libzmq: (tracker, bytes); their sum is
+    # inline_reply_bytes (max_inline_reply_bytes bounds it).
+    inline_replies: list[tuple[Any, int]] = field(default_factory=list)
+    inline_reply_bytes: int = 0
+
+    def release_sent_replies(self) -> None:
+        """Forget inline replies that libzmq has finished sending (or dropped)."""
+        held = []
+        for tracker, nbytes in self.inline_replies:
+            if tracker is None or tracker.done:
+                self.inline_reply_bytes -= nbytes
+            else:
+                held.append((tracker, nbytes))
+        self.inline_replies = held
 
     @property
     def space(self) -> tuple[str, str, int]:

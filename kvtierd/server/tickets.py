@@ -3,8 +3,9 @@
 The handshake thread ``issue``s a ticket (random ``TICKET_BYTES``) for the peer's credentials, the
 kind and, for ``memfd``, the verified mapping; the loop thread ``take``s it in HELLO. A ticket is
 taken at most once (reused, it is unknown), is bound to its kind, and expires after ``ttl_s``: an
-expired ticket's mapping is closed by ``expire``. At most ``max_tickets`` are outstanding, so a
-client that handshakes without ever saying HELLO cannot pin the daemon's memory. The two threads
+expired ticket's mapping is closed by ``expire``. At most ``max_tickets`` are outstanding, and
+``max_per_uid`` of one user, so a client that handshakes without ever saying HELLO can neither pin
+mappings in the daemon without bound nor lock other users out. The two threads
 share the book under one lock; nothing slow runs under it.
 """
 
@@ -31,9 +32,11 @@ class Ticket:
 
 
 class TicketBook:
-    def __init__(self, ttl_s: float, max_tickets: int) -> None:
+    def __init__(self, ttl_s: float, max_tickets: int, max_per_uid: int | None = None) -> None:
         self.ttl_s = ttl_s
         self.max_tickets = max_tickets
+        # one user cannot hold every ticket (and lock others out of the handshake) for ttl_s
+        self.max_per_uid = max_per_uid or max(1, max_tickets // 4)
         self._lock = threading.Lock()
         self._tickets: dict[bytes, Ticket] = {}
 
@@ -49,6 +52,11 @@ class TicketBook:
             if len(self._tickets) >= self.max_tickets:
                 raise ProtocolError(Status.BUSY, f"{len(self._tickets)} handshakes await their "
                                     f"HELLO (the limit is {self.max_tickets}); retry shortly")
+            mine = sum(1 for t in self._tickets.values() if t.peer.uid == peer.uid)
+            if mine >= self.max_per_uid:
+                raise ProtocolError(Status.BUSY, f"{mine} handshakes of uid {peer.uid} await "
+                                    f"their HELLO (the limit per user is {self.max_per_uid}); "
+                                    "say HELLO with them or let them expire")
             self._tickets[ticket] = Ticket(kind, peer, nbytes, staging,
                                            time.monotonic() + self.ttl_s)
         return ticket

@@ -157,13 +157,13 @@ def test_rules_load_healthy_and_every_dashboard_query_evaluates(prometheus):
     def rules_healthy():
         groups = prom.api("rules")["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        return (len(rules) == 14 and all(r["health"] == "ok" for r in rules),
+        return (len(rules) == 15 and all(r["health"] == "ok" for r in rules),
                 [(r["name"], r["health"], r.get("lastError")) for r in rules])
 
     prom.wait_until("rules loaded and healthy", rules_healthy)
     alerts = {r["name"] for g in prom.api("rules", type="alert")["data"]["groups"]
               for r in g["rules"]}
-    assert len(alerts) == 6
+    assert len(alerts) == 7
     for title, expr in queries(dashboard()):
         concrete = (expr.replace("$__rate_interval", "1m").replace("$instance", ".*")
                     .replace("$tier", ".*"))

@@ -13,7 +13,8 @@ from helpers.workload import DEPLOY, REPO
 
 PROM = DEPLOY / "prometheus"
 ALERTS = {"KvtierdDown", "KvtierdTierFull", "KvtierdNvmeEvictionPressure",
-          "KvtierdIntegrityFailures", "KvtierdRequestErrors", "KvtierdHitRatioCollapse"}
+          "KvtierdIntegrityFailures", "KvtierdRequestErrors", "KvtierdHitRatioCollapse",
+          "KvtierdRefusing"}
 
 
 def test_promtool_checks_the_scrape_config(promtool):

@@ -10,6 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvtierd.config import read_toml
 from kvtierd.control import DaemonUnavailable, call
 from kvtierd.protocol import Op
 
@@ -17,7 +18,7 @@ from kvtierd.protocol import Op
 class DaemonProcess:
     def __init__(self, workdir: Path, flags: list[str], cpu_bytes: str = "64MiB",
                  page_bytes: str = "64KiB", env: dict | None = None,
-                 nvme_bytes: str = "64MiB") -> None:
+                 nvme_bytes: str = "64MiB", preexec_fn=None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.address = f"ipc://{workdir / 'kvtierd.sock'}"
@@ -28,14 +29,17 @@ class DaemonProcess:
                       self.arena_name, "--nvme-dir", str(workdir / "nvme"), "--nvme-bytes",
                       nvme_bytes, *flags]
         self.env = {**os.environ, **(env or {})}
+        self.token = admin_token(flags, self.env)  # what STATS/CHECK present
         self.proc: subprocess.Popen | None = None
+        self.preexec_fn = preexec_fn  # e.g. a lower RLIMIT_NOFILE for the daemon only
 
     def start(self, timeout_s: float = 30.0, wait: bool = True) -> None:
         """Start the daemon; with ``wait``, return once it answers a PING."""
+        self.token = admin_token(self.flags, self.env)  # a restart may run with another env
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtierd", "serve", *self.flags],
-            stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+            stdout=self._log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=self.preexec_fn)
         if not wait:
             return
         deadline = time.monotonic() + timeout_s
@@ -53,14 +57,14 @@ class DaemonProcess:
         return self.log_path.read_text(errors="replace")
 
     def stats(self) -> dict:
-        return call(self.address, Op.STATS)["stats"]
+        return call(self.address, Op.STATS, token=self.token)["stats"]
 
     def cpu(self) -> dict:
         return self.stats()["tiers"]["cpu"]
 
     def check(self) -> dict:
         """Run the daemon's invariant checks; raises if one is violated."""
-        return call(self.address, Op.CHECK)["checked"]
+        return call(self.address, Op.CHECK, token=self.token)["checked"]
 
     def metrics_text(self) -> str:
         url = self.stats()["daemon"]["metrics"]
@@ -118,3 +122,14 @@ class DaemonProcess:
         preallocated NVMe file now (a run starts ~150 daemons, and
         pytest keeps the last runs' tmp dirs), keeping the log and index for a post-mortem."""
         (self.workdir / "nvme" / "chunks.data").unlink(missing_ok=True)
+
+
+def admin_token(flags: list[str], env: dict) -> str:
+    """The token the daemon's STATS/CHECK need, from its env or ``--config`` file (as the daemon
+    reads them: env over file; admin_token over auth_token)."""
+    values: dict = {}
+    if "--config" in flags:
+        values = read_toml(flags[flags.index("--config") + 1])
+    for key in ("auth_token", "admin_token"):
+        values[key] = env.get(f"KVTIERD_{key.upper()}", values.get(key, ""))
+    return str(values["admin_token"] or values["auth_token"])

@@ -7,7 +7,7 @@ Use it for "a raw session with memfd staging"::
     staging = buf.hello_staging(daemon.address)     # handshake (fd by SCM_RIGHTS) -> HELLO map
     raw.request(Op.HELLO, ..., staging=staging)
 
-``tests.helpers.bad_input.Session(address, ns, staging=buf)`` does those two steps itself. For
+``helpers.bad_input.Session(address, ns, staging=buf)`` does those two steps itself. For
 attacks, ``MemfdBuffer(..., seals=..., allocate=False)`` makes unsealed or sparse memfds and
 ``send_handshake`` sends any bytes with any descriptors and returns the daemon's raw answer.
 

@@ -75,7 +75,8 @@ def test_too_many_payload_frames_is_too_large(limited, memfd):
         s = Session(limited.address, namespace())
         try:
             items = [[b"k%d" % i, 0, 1] for i in range(17)]
-            s.raw.send_frames([packed({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 77, "items": items}),
+            s.raw.send_frames([packed({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 77,
+                                       "items": items}),
                                *[b"z"] * 17])
             reply, payload = s.raw.recv()
             assert reply["name"] == "TOO_LARGE", reply
@@ -91,7 +92,8 @@ def test_too_many_payload_frames_reply_echoes_the_request_id(limited, memfd):
         s = Session(limited.address, namespace())
         try:
             items = [[b"k%d" % i, 0, 1] for i in range(17)]
-            s.raw.send_frames([packed({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 77, "items": items}),
+            s.raw.send_frames([packed({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 77,
+                                       "items": items}),
                                *[b"z"] * 17])
             reply, _ = s.raw.recv()
             assert reply["name"] == "TOO_LARGE", reply
@@ -105,7 +107,8 @@ def test_too_many_payload_frames_message_counts_the_clients_frames(limited, memf
         s = Session(limited.address, namespace())
         try:
             items = [[b"k%d" % i, 0, 1] for i in range(17)]
-            s.raw.send_frames([packed({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 77, "items": items}),
+            s.raw.send_frames([packed({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 77,
+                                       "items": items}),
                                *[b"z"] * 17])
             reply, _ = s.raw.recv()
             assert reply["name"] == "TOO_LARGE", reply

@@ -201,11 +201,24 @@ def test_put_pipelined_before_bye_still_gets_a_reply(daemon):
         rep, _ = raw.request(Op.HELLO, namespace="pipelined", rank=0, world_size=1, fingerprint="fp",
                              staging=buf.hello_staging(daemon.address))
         assert rep["status"] == Status.OK, rep
-        put_then_bye(raw, [[b"k%d" % i, i * chunk, chunk] for i in range(count)])
+        results = put_then_bye(raw, [[b"k%d" % i, i * chunk, chunk] for i in range(count)])[
+            1001]["results"]
     finally:
         buf.close()
         raw.close()
     wait_for(lambda: daemon.cpu()["pending_chunks"] == 0, 10, "reservations settled")
+    reader = RawClient(daemon.address)
+    try:
+        # An inline ticket: the reader is in the writer's tenant (uid), so its lookups mean something.
+        rep, _ = reader.request(Op.HELLO, namespace="pipelined", rank=0, world_size=1,
+                                fingerprint="fp",
+                                staging={"kind": "inline", "ticket": ticket(daemon.address, "inline")})
+        assert rep["status"] == Status.OK, rep
+        stored = [Status.OK if t else Status.NO_SESSION
+                  for t in lookup(reader, [b"k%d" % i for i in range(count)])]
+        assert stored == results, "the reply and the index disagree on what was stored"
+    finally:
+        reader.close()
     daemon.check()
 
 

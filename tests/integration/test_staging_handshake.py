@@ -5,6 +5,8 @@ byte-exact, and no descriptor a client sent stays open in the daemon."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import fcntl
 import os
 import secrets
@@ -37,6 +39,9 @@ pytestmark = pytest.mark.timeout(90)
 
 MiB = 1024**2
 SHRINK, GROW, SEAL = 0x2, 0x4, 0x1
+KEEP_SIZE, PUNCH_HOLE = 0x1, 0x2  # FALLOC_FL_*
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long)
 
 
 def daemon_fds(d: DaemonProcess) -> int:
@@ -85,7 +90,7 @@ def test_truncating_sealed_staging_fails_and_48mib_put_get_stay_byte_exact(daemo
         buf.close()
 
 
-# -- memfds the daemon must not map ------------------------------------------------------------------
+# -- memfds the daemon must not map ----------------------------------------------------------------
 def _bad_fd_case(case: str, d: DaemonProcess, tmp_path: Path, opened: list):
     """(message, fds, fragments of the refusal) for one untrustworthy staging descriptor."""
     def memfd(nbytes: int = 64 * 1024, **options) -> MemfdBuffer:
@@ -226,7 +231,7 @@ def test_hello_v1_with_shm_staging_is_unsupported_version_naming_2(shared, memfd
             raw.close()
 
 
-# -- tickets -----------------------------------------------------------------------------------------
+# -- tickets ---------------------------------------------------------------------------------------
 def test_ticket_is_one_time(shared, memfd):
     with bystander(shared, memfd):
         buf = memfd(64 * 1024)
@@ -281,7 +286,7 @@ def test_ticket_of_another_kind_and_unknown_tickets_are_refused(shared, memfd):
             raw.close()
 
 
-# -- handshake garbage -------------------------------------------------------------------------------
+# -- handshake garbage -----------------------------------------------------------------------------
 @pytest.mark.parametrize("data,status,fragment", [
     (b"\xc1not msgpack", "BAD_MESSAGE", "not valid msgpack"),
     (packed([1, 2, 3]), "BAD_MESSAGE", "must be a msgpack map, got list"),
@@ -290,9 +295,17 @@ def test_ticket_of_another_kind_and_unknown_tickets_are_refused(shared, memfd):
 ], ids=["reserved-byte", "list", "text", "oversized"])
 def test_handshake_garbage_is_answered_and_closed(shared, memfd, data, status, fragment):
     with bystander(shared, memfd):
+        before = _handshake_count(shared, "invalid", status)
         answer = send_handshake(handshake_path(shared.address), data)
         assert answer["name"] == status and fragment in answer["message"], answer
         assert handshake(handshake_path(shared.address), "inline")["name"] == "OK"
+        assert _handshake_count(shared, "invalid", status) == before + 1
+
+
+def _handshake_count(d: DaemonProcess, kind: str, status: str) -> float:
+    wanted = f'kvtierd_handshakes_total{{kind="{kind}",status="{status}"}} '
+    lines = [line for line in d.metrics_text().splitlines() if line.startswith(wanted)]
+    return float(lines[0].split()[-1]) if lines else 0.0
 
 
 def test_huge_handshake_stream_is_cut_off(shared, memfd):
@@ -310,12 +323,12 @@ def test_silent_handshakes_block_nobody_and_are_closed(shared, memfd):
         path = handshake_path(shared.address)
         silent = []
         try:
-            for _ in range(70):  # more than the 64 handshakes the daemon holds open at once
+            for _ in range(20):  # more than the 16 handshakes one user may hold open at once
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 connect(sock, path, 10)
                 silent.append(sock)
             busy = msgpack.unpackb(silent[-1].recv(4096), raw=False)
-            assert busy["name"] == "BUSY" and "limit is 64" in busy["message"], busy
+            assert busy["name"] == "BUSY" and "limit per user is 16" in busy["message"], busy
             # the request loop is not blocked meanwhile
             raw = RawClient(shared.address, timeout_s=2)
             try:
@@ -356,3 +369,30 @@ def test_one_silent_handshake_does_not_delay_another(shared, memfd):
                 assert names(reply["results"]) == ["OK"] and buf.read(4096, 8192) == data
             finally:
                 raw.close()
+
+
+def test_hole_punched_after_the_handshake_does_not_fault_the_daemon(daemon_factory):
+    # Seals against shrinking and growing do not stop FALLOC_FL_PUNCH_HOLE: the daemon's next
+    # touch of those pages gets fresh zero pages (charged to the daemon: README, "Staging
+    # handshake"), never a SIGBUS, and the buffer keeps working.
+    d = daemon_factory()
+    buf = MemfdBuffer(4 * MiB)
+    raw = RawClient(d.address)
+    try:
+        assert hello(raw, buf.hello_staging(d.address))["name"] == "OK"
+        data = os.urandom(MiB)
+        buf.write(0, data)
+        reply, _ = raw.request(Op.PUT, items=[[b"before", 0, MiB]])
+        assert names(reply["results"]) == ["OK"]
+        assert _libc.fallocate(buf.fd, PUNCH_HOLE | KEEP_SIZE, 0, 4 * MiB) == 0, "punch hole"
+        assert os.lseek(buf.fd, 0, os.SEEK_HOLE) == 0
+        reply, _ = raw.request(Op.PUT, items=[[b"from-hole", MiB, MiB]])
+        assert names(reply["results"]) == ["OK"]
+        reply, _ = raw.request(Op.GET, items=[[b"before", 2 * MiB, MiB], [b"from-hole", 0, MiB]])
+        assert names(reply["results"]) == ["OK", "OK"]
+        assert buf.read(2 * MiB, MiB) == data and buf.read(0, MiB) == bytes(MiB)
+        assert d.alive()
+        d.check()
+    finally:
+        raw.close()
+        buf.close()

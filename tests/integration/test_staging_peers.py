@@ -31,6 +31,9 @@ from helpers.kv import (
 )
 
 from kvtier_client import KVTierClient
+from kvtier_client.index import KVTierIndex
+from kvtierd.control import call
+from kvtierd.protocol import Op
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -197,3 +200,42 @@ def test_socket_mode_decides_who_may_connect(user_b, reachable_dir):
             assert os.waitstatus_to_exitcode(status) == (0 if others_may else 1), mode
         finally:
             d.stop_and_verify()
+
+
+def test_tcp_daemon_names_its_handshake_socket_in_ping(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address, hs = f"tcp://127.0.0.1:{port}", tmp_path / "hs.sock"
+    d = DaemonProcess(tmp_path / "tcp", ["--socket", address, "--handshake-socket", str(hs)])
+    d.address = address  # the later --socket flag wins over the helper's ipc one
+    d.start()
+    try:
+        assert call(address, Op.PING)["handshake"] == str(hs)
+        assert stat.S_ISSOCK(hs.stat().st_mode) and stat.S_IMODE(hs.stat().st_mode) == 0o660
+        layout = simple_layout(page_bytes=8192)
+        gen = torch.Generator().manual_seed(11)
+        kv = random_kv(layout, [16], gen)
+        chunks = layout.plan(random_tokens(gen, 128), [list(range(8))])
+        expected = {c.key: [p.clone() for p in chunk_pages(layout, kv, c)] for c in chunks}
+        with KVTierClient.connect(address, layout=layout, kv_caches=kv) as client:
+            assert client.store(chunks).result(timeout=30) == [True] * len(chunks)
+            poison(kv)
+            assert client.load(chunks).result(timeout=30) == [True] * len(chunks)
+        for chunk in chunks:
+            assert_chunk_equals(layout, kv, chunk, expected[chunk.key], "load")
+        assert f"staging memfd:{client.staging_bytes}" in d.log()
+    finally:
+        d.stop_and_verify()
+        d.remove_nvme_data()
+    assert not hs.exists(), "the handshake socket outlived the daemon"
+
+
+def test_scheduler_index_session_carries_the_same_credentials(daemon):
+    index = KVTierIndex(daemon.address, namespace="idx", rank=0, fingerprint="fp-idx")
+    try:
+        assert index.lookup([b"nothing"]) == [0]
+    finally:
+        index.close()
+    me = f"peer uid {os.getuid()} gid {os.getgid()} pid {os.getpid()}"
+    assert f"namespace idx rank 0 staging inline {me}" in daemon.log(), daemon.log()

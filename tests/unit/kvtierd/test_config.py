@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kvtierd.config import Config, ConfigError, load_config
+from kvtierd.config import Config, ConfigError, default_runtime_dir, load_config
 
 
 def write_toml(tmp_path, text: str):
@@ -104,6 +104,16 @@ def test_remote_tcp_socket_needs_allow_remote():
         ("arena_name", "a/b", {"arena_name": "a/b"}),
         ("log_level", "CHATTY", {"log_level": "chatty"}),
         ("cpu_bytes", "12XB", {"cpu_bytes": "12XB"}),
+        ("socket_mode", "440", {"socket_mode": "440"}),  # the owner cannot write
+        ("socket_mode", "0400", {"socket_mode": "0400"}),
+        ("socket_mode", "0680", {"socket_mode": "0680"}),
+        ("socket_mode", "1660", {"socket_mode": "1660"}),
+        ("socket_mode", "0777", {"socket_mode": "0777"}),  # execute bits
+        ("socket_mode", "rw-rw----", {"socket_mode": "rw-rw----"}),
+        ("handshake_socket", "rel/hs.sock", {"handshake_socket": "rel/hs.sock"}),
+        ("handshake_socket", "/" + "h" * 120, {"handshake_socket": "/" + "h" * 120}),
+        ("socket", "/" + "s" * 105 + ".hs", {"socket": "ipc:///" + "s" * 105}),
+        ("ticket_timeout_s", 0.0, {"ticket_timeout_s": 0}),
     ],
 )
 def test_invalid_values_name_key_and_value(key, value, overrides):
@@ -148,6 +158,17 @@ def test_nan_timeout_is_refused():
 
 def test_tcp_socket_port_out_of_range_is_refused():
     refused("socket", "tcp://127.0.0.1:99999", overrides={"socket": "tcp://127.0.0.1:99999"})
+
+
+def test_handshake_socket_sits_beside_the_ipc_socket_or_in_the_runtime_dir(tmp_path):
+    cfg = load_config(env={}, overrides={"socket": f"ipc://{tmp_path}/k.sock"})
+    assert cfg.handshake_path == tmp_path / "k.sock.hs"
+    assert cfg.socket_mode == "0660" and cfg.socket_mode_bits == 0o660
+    cfg = load_config(env={}, overrides={"socket": "tcp://127.0.0.1:5555"})
+    assert cfg.handshake_path == default_runtime_dir() / "kvtierd-5555.hs"
+    cfg = load_config(env={"KVTIERD_HANDSHAKE_SOCKET": f"{tmp_path}/hs",
+                           "KVTIERD_SOCKET_MODE": "0600"}, overrides={})
+    assert cfg.handshake_path == tmp_path / "hs" and cfg.socket_mode_bits == 0o600
 
 
 # -- tenants ---------------------------------------------------------------------------------------
