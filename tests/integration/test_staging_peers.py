@@ -238,4 +238,6 @@ def test_scheduler_index_session_carries_the_same_credentials(daemon):
     finally:
         index.close()
     me = f"peer uid {os.getuid()} gid {os.getgid()} pid {os.getpid()}"
-    assert f"namespace idx rank 0 staging inline {me}" in daemon.log(), daemon.log()
+    # ... and so the same tenant as the workers of its uid
+    assert (f"tenant uid:{os.getuid()} (uid {os.getuid()}) namespace idx rank 0/1 staging inline "
+            f"{me}") in daemon.log(), daemon.log()
