@@ -1,4 +1,4 @@
-"""kvtier_client.vllm: kvtierd as the storage of vLLM's OffloadingConnector (vLLM 0.32).
+"""kvtier_client.vllm: kvtierd as the storage of vLLM's OffloadingConnector (vLLM 0.32, 0.33).
 
 Enable it with::
 
@@ -16,7 +16,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+# The vLLM releases whose OffloadingConnector interfaces this adapter implements (0.33 added
+# expedited loads, the manager lock, config info and on_reset_flushed; see spec, manager, worker).
+SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 
 _LAZY = {
     "KVTierOffloadingSpec": "spec",

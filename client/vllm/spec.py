@@ -24,11 +24,25 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from . import SUPPORTED_VLLM_VERSIONS
 from .geometry import layout_path, publish, worker_layout
-from .manager import UNAVAILABLE_METRIC, KVTierOffloadingManager
+from .manager import CONFIG_INFO_KEYS, UNAVAILABLE_METRIC, KVTierOffloadingManager
 from .settings import KVTierSettings
+from .specs import kv_cache_config_of_engine
 from .worker import KVTierOffloadingWorker
 
 log = logging.getLogger(__name__)
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM whose offloading interfaces this adapter was not written and tested for.
+
+    Between releases vLLM changes these interfaces without a deprecation period (0.33's
+    ``submit_load(expedited=...)`` broke 0.32 workers with a TypeError), so an unknown version
+    fails at engine start, not at the first transfer.
+    """
+    release = version.split("+", 1)[0]
+    if release not in SUPPORTED_VLLM_VERSIONS:
+        raise RuntimeError(f"kvtierd: vLLM {version} is not supported by kvtier_client.vllm; "
+                           f"allowed: vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}")
 
 
 class KVTierOffloadingSpec(OffloadingSpec):
@@ -39,11 +53,14 @@ class KVTierOffloadingSpec(OffloadingSpec):
             documentation="KV offload lookups answered as misses because kvtierd was down, slow "
                           "or not yet attached (the engine recomputed instead).")}
 
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """Labels of vLLM 0.33's ``vllm:kv_offload_config_info`` (values: the manager's)."""
+        return CONFIG_INFO_KEYS
+
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
-        if vllm.__version__ not in SUPPORTED_VLLM_VERSIONS:
-            log.warning("kvtierd: vLLM %s is not a supported version (%s); offloading may break",
-                        vllm.__version__, ", ".join(SUPPORTED_VLLM_VERSIONS))
+        check_vllm_version(vllm.__version__)
         self.settings = KVTierSettings.from_extra_config(self.extra_config)
         self._manager: KVTierOffloadingManager | None = None
         self._worker: KVTierOffloadingWorker | None = None
@@ -55,7 +72,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            layout, tensors = worker_layout(self.config, kv_caches, self.settings)
+            layout, tensors = worker_layout(self.config, kv_caches, self.settings,
+                                            kv_cache_config_of_engine())
             for g, reason in layout.skipped_groups:
                 log.warning("kvtierd: %s", reason)
             path = layout_path(self.settings, self.config.engine_id, layout.rank)

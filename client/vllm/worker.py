@@ -6,7 +6,9 @@ Each key becomes one ``Chunk`` of ``blocks_per_chunk`` block ids, -1 where the j
 head of a chunk a sliding window freed, the tail of a partial chunk), so the client copies exactly
 the pages the job names. CPU tensors use the client's torch copies; CUDA tensors its GPU path.
 
-Jobs run in order on one background thread, so ``submit_*`` never waits on the daemon. A daemon that
+Jobs run in order on one background thread, so ``submit_*`` never waits on the daemon; an
+expedited load (vLLM 0.33 waits for it within the step: ``sync_load_budget_bytes``) runs on its own
+thread instead of queueing behind regular jobs, and jobs are reported as they finish. A daemon that
 is down or slow costs misses, not a hang: client calls time out after ``kvtierd_timeout_s``, after
 which jobs complete at once (nothing moved) for ``kvtierd_retry_s``, then the client reconnects.
 vLLM 0.32 has no way to report a failed job, so a failed load is logged, counted in
@@ -20,7 +22,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +65,10 @@ class KVTierOffloadingWorker(OffloadingWorker):
         self._kv_caches = kv_caches
         self._client: KVTierClient | None = None
         self._down_until = 0.0
-        self._jobs: deque[_Job] = deque()
+        self._jobs: list[_Job] = []  # submitted, not yet reported (they may finish out of order)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm")
+        self._expedited = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-vllm-sync")
+        self._connect_lock = threading.Lock()  # both job threads may connect first
         self._failed_lock = threading.Lock()
         self._failed_block_ids: set[int] = set()
         self.load_failures = 0  # chunks a load could not fill (daemon gone, evicted, checksum)
@@ -77,26 +80,27 @@ class KVTierOffloadingWorker(OffloadingWorker):
                      ) -> bool:
         return self._submit(job_id, False, self._chunks(dst_spec.keys, src_spec))
 
-    def submit_load(self, job_id: int, src_spec: KVTierLoadStoreSpec, dst_spec: GPULoadStoreSpec
-                    ) -> bool:
+    def submit_load(self, job_id: int, src_spec: KVTierLoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
         chunks = self._chunks(src_spec.keys, dst_spec)
         if os.environ.get(NEIGHBOUR_ENV) == "1":
             chunks = neighbour_keys(chunks)
-        return self._submit(job_id, True, chunks)
+        return self._submit(job_id, True, chunks, self._expedited if expedited else None)
 
     def get_finished(self) -> list[TransferResult]:
-        done: list[TransferResult] = []
-        while self._jobs and self._jobs[0].future.done():
-            job = self._jobs.popleft()
-            nbytes = job.future.result()
-            done.append(TransferResult(job_id=job.job_id, success=True, transfer_size=nbytes,
-                                       transfer_time=time.monotonic() - job.started))
-        return done
+        done: list[_Job] = []
+        pending: list[_Job] = []
+        for job in self._jobs:
+            (done if job.future.done() else pending).append(job)
+        self._jobs = pending
+        return [TransferResult(job_id=job.job_id, success=True, transfer_size=job.future.result(),
+                               transfer_time=time.monotonic() - job.started) for job in done]
 
     def wait(self, job_ids: set[int]) -> None:
         wait([job.future for job in self._jobs if job.job_id in job_ids])
 
     def shutdown(self) -> None:
+        self._expedited.shutdown(wait=True)
         self._executor.shutdown(wait=True)
         if self._client is not None:
             try:
@@ -114,8 +118,9 @@ class KVTierOffloadingWorker(OffloadingWorker):
         return out
 
     # -- engine thread ----------------------------------------------------------------------------
-    def _submit(self, job_id: int, is_load: bool, chunks: list[Chunk]) -> bool:
-        future = self._executor.submit(self._run, is_load, chunks)
+    def _submit(self, job_id: int, is_load: bool, chunks: list[Chunk],
+                executor: ThreadPoolExecutor | None = None) -> bool:
+        future = (executor or self._executor).submit(self._run, is_load, chunks)
         self._jobs.append(_Job(job_id, is_load, chunks, future, time.monotonic()))
         return True
 
@@ -125,6 +130,10 @@ class KVTierOffloadingWorker(OffloadingWorker):
 
     # -- job thread -------------------------------------------------------------------------------
     def _connected(self) -> KVTierClient | None:
+        with self._connect_lock:
+            return self._connect()
+
+    def _connect(self) -> KVTierClient | None:
         if self._client is None and time.monotonic() >= self._down_until:
             try:
                 # probe first: a client that cannot greet the daemon would leave its thread behind

@@ -7,8 +7,9 @@ state, and its imports warn (the suite turns warnings into errors). Usage::
 
 SPEC: ``model_dir``, ``kind`` (the tiny model to generate there if absent), ``address``,
 ``layout_dir``, ``prompts`` (token id lists), ``max_tokens``, ``rounds`` (each ``{"name", "env"}``,
-every round after the first starts with ``reset_prefix_cache()``), optional ``extra_config``
-(replaces ``blocks_per_chunk``), ``connector`` (replaces ``"kv_connector": "OffloadingConnector"``). OUT: per round the tokens, logprobs and prefix-cache counter deltas,
+every round after the first starts with ``reset_prefix_cache()`` unless it says ``"reset": false``), optional ``extra_config``
+(replaces ``blocks_per_chunk``), ``connector`` (replaces ``"kv_connector": "OffloadingConnector"``),
+``engine`` (more ``LLM`` arguments, e.g. ``mamba_cache_mode``). OUT: per round the tokens, logprobs and prefix-cache counter deltas,
 the layouts the workers published, or ``refused`` with the error if the engine did not start.
 """
 
@@ -48,6 +49,23 @@ def make_model(kind: str, out: Path) -> None:
             **COMMON, global_head_dim=64, layer_types=SWA, sliding_window=128,
             hidden_size_per_layer_input=0, vocab_size_per_layer_input=VOCAB,
             num_kv_shared_layers=0, attention_k_eq_v=False))
+    elif kind == "granite4h":
+        # Granite-4.0-H's shape (Mamba2 + attention layers, dense MLP), tiny
+        model = tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(
+            **{k: v for k, v in COMMON.items() if k != "head_dim"},
+            layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=0,
+            shared_intermediate_size=256, position_embedding_type="rope", mamba_n_heads=8,
+            mamba_n_groups=1, mamba_d_state=16, mamba_d_head=32, mamba_d_conv=4,
+            mamba_expand=2, mamba_chunk_size=256))
+    elif kind == "qwen3next":
+        # Qwen3-Next's shape (3 Gated DeltaNet layers per full-attention layer, MoE), tiny; the CPU
+        # GDN kernel needs Qwen3-Next's real 128-wide linear-attention heads
+        model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(
+            **{**COMMON, "head_dim": 64},
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64, num_experts_per_tok=2, num_experts=4))
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
@@ -74,7 +92,7 @@ def main(spec_path: str, out_path: str) -> None:
     try:
         llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                   dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=64 * 2**20,
-                  disable_log_stats=False, seed=0,
+                  disable_log_stats=False, seed=0, **spec.get("engine", {}),
                   kv_transfer_config={"kv_role": "kv_both", "kv_connector_extra_config": extra,
                                       **spec.get("connector", {"kv_connector": "OffloadingConnector"})})
     except Exception as exc:  # the engine refused its configuration: report it
@@ -89,7 +107,7 @@ def main(spec_path: str, out_path: str) -> None:
     for i, round_ in enumerate(spec["rounds"]):
         os.environ.pop("KVTIER_TEST_LOAD_NEIGHBOUR_CHUNK", None)
         os.environ.update(round_.get("env", {}))
-        if i:
+        if i and round_.get("reset", True):
             llm.reset_prefix_cache()
         before = counters(llm)
         t0 = time.monotonic()

@@ -37,11 +37,18 @@ def test_a_job_whose_keys_and_blocks_disagree_is_refused():
         job_chunks(gemma4_like(), [b"s0"], [7, 8], [2], [0])
 
 
-def test_neighbour_keys_swap_within_a_group_only():
+def test_neighbour_keys_swap_within_a_group_and_a_lone_chunk_takes_a_same_sized_one():
     chunks = job_chunks(gemma4_like(), [b"s0", b"f0", b"f1"], [7, 8, 1, 2, 3, 4], [2, 4], [0, 0])
     moved = neighbour_keys(chunks)
-    assert [c.key for c in moved] == [b"s0", b"f1", b"f0"]
+    # s0 is its group's only chunk: it takes group 1's chunk ending where it ends (512 tokens)
+    assert [c.key for c in moved] == [b"f1", b"f1", b"f0"]
     assert [c.block_ids for c in moved] == [c.block_ids for c in chunks]
+
+
+def test_vllms_null_block_is_never_copied():
+    # block 0 is vLLM's null block: an old Mamba state in align mode, a freed sliding block
+    chunks = job_chunks(gemma4_like(), [b"s0", b"f0"], [0, 8, 0, 2], [2, 2], [0, 0])
+    assert [c.block_ids for c in chunks] == [(-1, 8), (-1, 2)]
 
 
 def test_settings_read_only_kvtierd_keys_and_fail_on_bad_ones():

@@ -1,0 +1,94 @@
+"""Real vLLM (CPU build) with kvtierd on a recurrent-hybrid model and on a group of mixed page sizes.
+
+* ``qwen3next``: a tiny Qwen3-Next (three Gated DeltaNet state groups + one full-attention group,
+  384 tokens per block) in vLLM's ``mamba_cache_mode="align"``: a state group's chunk is the state
+  at its end, and only the last complete one is stored and loaded.
+* ``gemma4-mixed-pages``: the tiny Gemma-4 with the hybrid KV cache manager off: one group whose
+  full-attention layers have twice the page bytes of its sliding layers (``UniformTypeKVCacheSpecs``).
+  Its prompts end just past 512 tokens, where vLLM's own prefix cache (round L, 128-token blocks)
+  and kvtierd (256-token chunks) resume at the same token, so all rounds compute the same split.
+
+vLLM 0.32's CPU build cannot run the Mamba2 hybrids (Granite-4.0-H, Nemotron-H, Bamba, Falcon-H1,
+Zamba2) with prefix caching: its CPU ``mamba_chunk_scan_combined`` ignores
+``return_intermediate_states``, so align mode fails with an IndexError in ``mamba_mixer2``. It runs
+DeepSeek-V3.2-style MLA + indexer only with prefix caching forced off (no AMX), so nothing offloads.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helpers.daemon import DaemonProcess
+from helpers.vllm_engine import drive
+
+pytestmark = pytest.mark.vllm
+NEIGHBOUR = {"KVTIER_TEST_LOAD_NEIGHBOUR_CHUNK": "1"}
+
+CASES = {
+    "qwen3next": dict(kind="qwen3next", engine={"mamba_cache_mode": "align"},
+                      extra_config={"blocks_per_chunk": 1}, lengths=(850, 900), cached=768),
+    "gemma4-mixed-pages": dict(kind="gemma4", engine={"disable_hybrid_kv_cache_manager": True},
+                               extra_config={"blocks_per_chunk": 2}, lengths=(520, 600),
+                               cached=512),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def run(request, tmp_path_factory):
+    case = CASES[request.param]
+    tmp = tmp_path_factory.mktemp(request.param)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in case["lengths"]]
+    daemon = DaemonProcess(tmp / "daemon", [])
+    daemon.start()
+    try:
+        common = dict(kind=case["kind"], model_dir=str(tmp / "model"), address=daemon.address,
+                      engine=case["engine"], extra_config=case["extra_config"], prompts=prompts)
+        first = drive(tmp, "first", **common, rounds=[
+            {"name": "A", "settle": True}, {"name": "L", "reset": False}, {"name": "B"},
+            {"name": "C", "env": NEIGHBOUR}])
+        stored = daemon.cpu()["chunks"]
+        second = drive(tmp, "second", **common, rounds=[{"name": "X"}])
+        yield request.param, case, first, second, stored
+    finally:
+        daemon.stop_and_verify()
+
+
+def test_loads_from_kvtierd_give_the_tokens_and_logprobs_of_vllms_own_prefix_cache(run):
+    name, case, first, second, _ = run
+    a, local, b = (first["rounds"][r] for r in "ALB")
+    assert local["local_hits"] > 0 and local["external_hits"] == 0, local
+    assert b["external_hits"] > 0 and b["local_hits"] == 0, b
+    assert b["num_cached_tokens"] == [case["cached"]] * 2, b["num_cached_tokens"]
+    assert b["tokens"] == a["tokens"] == local["tokens"]
+    assert b["logprobs"] == a["logprobs"] == local["logprobs"]
+    x = second["rounds"]["X"]  # a new vLLM process on the same daemon
+    assert x["external_hits"] > 0 and x["local_hits"] == 0, x
+    assert x["tokens"] == a["tokens"] and x["logprobs"] == a["logprobs"]
+
+
+def test_loading_neighbouring_chunks_changes_the_logprobs(run):
+    _, _, first, _, _ = run
+    a, c = first["rounds"]["A"], first["rounds"]["C"]
+    assert c["external_hits"] > 0, c
+    assert c["logprobs"] != a["logprobs"]
+
+
+def test_the_published_layout_names_vllms_groups_kinds_and_page_sizes(run):
+    name, case, first, _, stored = run
+    (layout,) = first["layouts"]
+    groups = layout["groups"]
+    if name == "qwen3next":
+        assert [g["kind"] for g in groups] == ["mamba"] * 3 + ["full_attention"], groups
+        assert {g["tokens_per_block"] for g in groups} == {384}
+        # per prompt: every full-attention chunk, but only the last state of each state group
+        full_chunks = sum(n // 384 for n in case["lengths"])
+        assert stored == full_chunks + 3 * len(case["lengths"]), stored
+    else:
+        (group,) = groups
+        assert group["kind"] == "full_attention"  # sliding layers cache every token here
+        sliding, full = group["page_bytes"][0], group["page_bytes"][1]
+        assert group["page_bytes"] == [sliding, full] * 2 and full == 2 * sliding, group
+        assert stored == sum(n // 256 for n in case["lengths"]), stored
