@@ -33,7 +33,7 @@ class Session:
                                   self.staging.fd)
         finally:
             self.staging.release_fd()
-        self.call(Op.HELLO, namespace=namespace, rank=0, fingerprint=fingerprint,
+        self.call(Op.HELLO, namespace=namespace, rank=0, world_size=1, fingerprint=fingerprint,
                   staging=self.staging.handle(ticket))
 
     def call(self, op: Op, **fields) -> dict:

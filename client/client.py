@@ -195,6 +195,7 @@ class KVTierClient:
             hello_sent = True
             header, _ = self._transport.call(
                 Op.HELLO, namespace=self.namespace, rank=self.layout.rank,
+                world_size=self.layout.world_size,
                 fingerprint=self.layout.fingerprint, staging=staging.handle(ticket),
                 token=self._token, client={"pid": os.getpid(), "library": "kvtier_client"})
         except BaseException as exc:  # HandshakeError, DaemonUnavailable, DaemonError: no session

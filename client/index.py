@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from kvtierd.protocol import Op, Status, Tier
 
-from .handshake import inline_staging
+from .handshake import HandshakeError, inline_staging
 from .transport import DaemonError, DaemonUnavailable, Transport
 
 log = logging.getLogger(__name__)
@@ -29,13 +29,15 @@ log = logging.getLogger(__name__)
 
 class KVTierIndex:
     def __init__(self, address: str, *, namespace: str, rank: int, fingerprint: str,
-                 timeout_s: float = 2.0, retry_s: float = 5.0, token: str = "") -> None:
+                 world_size: int = 1, timeout_s: float = 2.0, retry_s: float = 5.0,
+                 token: str = "") -> None:
         if timeout_s <= 0 or retry_s < 0:
             raise ValueError(f"timeout_s={timeout_s}, retry_s={retry_s}; allowed: timeout_s > 0, "
                              "retry_s >= 0")
         self.address = address
         self.namespace = namespace
         self.rank = rank
+        self.world_size = world_size  # HELLO checks 0 <= rank < world_size
         self.fingerprint = fingerprint
         self.retry_s = retry_s
         self._token = token
@@ -90,7 +92,7 @@ class KVTierIndex:
                     if exc.status != Status.NO_SESSION or attempt:
                         raise
                     self._session = None  # the daemon restarted or reaped us: greet it again
-        except (DaemonUnavailable, DaemonError) as exc:
+        except (DaemonUnavailable, DaemonError, HandshakeError) as exc:
             self.failures += 1
             self._down_until = time.monotonic() + self.retry_s
             self._session = None
@@ -104,7 +106,8 @@ class KVTierIndex:
             return
         staging = inline_staging(self._transport, self._transport.timeout_s)  # our credentials
         header, _ = self._transport.call(
-            Op.HELLO, namespace=self.namespace, rank=self.rank, fingerprint=self.fingerprint,
+            Op.HELLO, namespace=self.namespace, rank=self.rank, world_size=self.world_size,
+            fingerprint=self.fingerprint,
             staging=staging, token=self._token,
             client={"pid": os.getpid(), "library": "kvtier_client.index"})
         self._session = header["session"]

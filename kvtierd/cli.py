@@ -257,8 +257,23 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"{'chunks':<8}{'served':>10}{'failed':>10}{'served%':>10}",
         f"{'get':<8}{served:>10}{failed:>10}{_ratio(served, failed):>10}",
     ]
+    lines += format_tenants(stats.get("tenants", {}))
     lines += format_ghosts(stats.get("ghosts", {}))
     return "\n".join(lines)
+
+
+def format_tenants(tenants: dict[str, Any]) -> list[str]:
+    """CPU-tier bytes per tenant against its quota (kvtierd.tenants)."""
+    if not tenants:
+        return []
+    lines = ["", f"{'tenant':<24}{'cpu used':>12}{'quota':>12}{'used%':>8}{'refused':>9}"]
+    for name, t in tenants.items():
+        quota = t["quota_bytes"]
+        pct = f"{t['used_bytes'] / quota:.1%}" if quota else "-"
+        lines.append(f"{name:<24}{format_size(t['used_bytes']):>12}"
+                     f"{format_size(quota) if quota else 'none':>12}{pct:>8}"
+                     f"{t['quota_rejections']:>9}")
+    return lines
 
 
 def format_ghosts(ghosts: dict[str, Any]) -> list[str]:

@@ -31,6 +31,11 @@ _SERVICE_LINK = re.compile(
 )
 _INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SOURCES = ("flag", "env", "file", "default")
+#: A configured tenant's name: also a metric label value, so short and plain (no ':' — the
+#: implicit ``uid:N`` tenants use it — and none of the reserved names below).
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+RESERVED_TENANTS = frozenset({"anonymous", "other"})
+MAX_TENANT_TOKEN_CHARS = 256
 
 
 class ConfigError(ValueError):
@@ -39,6 +44,19 @@ class ConfigError(ValueError):
     def __init__(self, key: str, value: Any, allowed: str) -> None:
         super().__init__(f"config key {key!r}: invalid value {value!r}; allowed: {allowed}")
         self.key = key
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One ``[tenants.NAME]`` table: which peers belong to the tenant, and its CPU-tier quota."""
+
+    name: str  # also the metric label value
+    uids: tuple[int, ...] = ()  # peers whose (kernel-reported) uid is one of these
+    gids: tuple[int, ...] = ()  # peers whose primary gid is one of these
+    tokens: tuple[str, ...] = ()  # HELLO tokens that select this tenant (compared in constant time)
+    # Quota in the CPU tier (pages of its chunks, pending included); None = tenant_max_bytes,
+    # 0 = bounded only by the tier's capacity.
+    max_bytes: int | None = None
 
 
 def default_state_dir() -> Path:
@@ -112,8 +130,8 @@ class Config:
     max_batch: int = 8192
     # Threads that copy bytes between staging buffers and tiers (memcpy releases the GIL).
     copy_threads: int = 2
-    # If non-empty, HELLO must carry this token, and STATS/CHECK need it (or admin_token, or a
-    # session that presented it); only PING answers without it.
+    # If non-empty, HELLO must carry this token (or one of a configured tenant's tokens), and
+    # STATS/CHECK need it (or admin_token, or a session opened with it); only PING answers without.
     auth_token: str = ""
     # If non-empty, a token that grants STATS and CHECK only (monitoring, health checks), never a
     # session. With either token set, STATS/CHECK without one are answered AUTH_FAILED.
@@ -128,6 +146,16 @@ class Config:
     # Most payload bytes one inline session's GET replies may hold in the daemon at once (being
     # built or queued for a peer that has not read them yet); items past it are TOO_LARGE.
     max_inline_reply_bytes: int = 64 * 1024**2
+    # Configured tenants ([tenants.NAME] tables of the TOML file only): peers matched by token,
+    # then uid, then gid. A peer that matches none is its own tenant "uid:N" ("anonymous" without
+    # credentials). See README "Security model".
+    tenants: tuple[TenantConfig, ...] = ()
+    # CPU-tier quota of each tenant without its own max_bytes (implicit ones included); 0 = only
+    # the tier's capacity bounds a tenant.
+    tenant_max_bytes: int = 0
+    # Mode of the state directories the daemon creates or owns (the NVMe directory): "0700", or
+    # "0750" to let the daemon's group read them (e.g. a backup or monitoring agent).
+    state_dir_mode: str = "0700"
     # Accept a tcp:// socket on a non-loopback address.
     allow_remote: bool = False
     # Permission bits (octal) of the ZeroMQ ipc socket and of the staging handshake socket; their
@@ -179,12 +207,18 @@ class Config:
             return Path(self.nvme_dir)
         return default_state_dir() / self.instance_id / "nvme"
 
+    @property
+    def state_dir_bits(self) -> int:
+        return int(self.state_dir_mode, 8)
+
     def public_dict(self) -> dict[str, Any]:
-        """The config as plain values, with the auth token masked (for logs and check-config)."""
+        """The config as plain values, with every token masked (for logs and check-config)."""
         data = dataclasses.asdict(self)
         for key in ("auth_token", "admin_token"):
             if data[key]:
                 data[key] = "***"
+        for tenant in data["tenants"]:
+            tenant["tokens"] = ["***"] * len(tenant["tokens"])
         return data
 
 
@@ -197,12 +231,16 @@ _SIZE_KEYS = {
     "max_staging_bytes",
     "max_inline_reply_bytes",
     "nvme_bytes",
+    "tenant_max_bytes",
 }
+_TABLE_KEYS = {"tenants"}  # TOML tables: file only (no env variable or flag can express them)
 _FIELD_TYPES = {f.name: f.type for f in fields(Config)}
 
 
 def _coerce(key: str, value: Any) -> Any:
     kind = _FIELD_TYPES[key]
+    if key == "tenants":
+        return parse_tenants(value)
     try:
         if key in _SIZE_KEYS:
             return parse_size(value)
@@ -270,6 +308,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             "max_frame_bytes", cfg.max_frame_bytes, "at least max_inline_bytes and max_header_bytes"
         )
+    if cfg.state_dir_mode not in ("0700", "0750"):
+        raise ConfigError("state_dir_mode", cfg.state_dir_mode, '"0700" or "0750"')
     if "/" in cfg.arena_name or cfg.arena_name.startswith("."):
         raise ConfigError("arena_name", cfg.arena_name, "a file name without '/' (under /dev/shm)")
     if cfg.instance and not _INSTANCE.fullmatch(cfg.instance):
@@ -282,6 +322,57 @@ def _validate(cfg: Config) -> None:
 
     if not isinstance(logging.getLevelName(cfg.log_level.upper()), int):
         raise ConfigError("log_level", cfg.log_level, "DEBUG, INFO, WARNING, ERROR")
+
+
+def parse_tenants(table: Any) -> tuple[TenantConfig, ...]:
+    """The ``[tenants]`` table as TenantConfigs; every uid, gid and token names one tenant."""
+    if not isinstance(table, dict):
+        raise ConfigError("tenants", table, "a table of [tenants.NAME] tables")
+    out = []
+    owners: dict[tuple[str, Any], str] = {}
+    for name, spec in table.items():
+        key = f"tenants.{name}"
+        if not TENANT_NAME.match(name) or name in RESERVED_TENANTS:
+            raise ConfigError(key, name, f"a name matching {TENANT_NAME.pattern}, not one of "
+                              f"{', '.join(sorted(RESERVED_TENANTS))}")
+        if not isinstance(spec, dict):
+            raise ConfigError(key, spec, "a table with uids, gids, tokens, max_bytes")
+        unknown = sorted(set(spec) - {"uids", "gids", "tokens", "max_bytes"})
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}", spec[unknown[0]],
+                              "one of uids, gids, tokens, max_bytes")
+        uids = _id_list(f"{key}.uids", spec.get("uids", []))
+        gids = _id_list(f"{key}.gids", spec.get("gids", []))
+        tokens = spec.get("tokens", [])
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, str) and 0 < len(t) <= MAX_TENANT_TOKEN_CHARS for t in tokens):
+            shown = ["***"] * len(tokens) if isinstance(tokens, list) else tokens
+            raise ConfigError(f"{key}.tokens", shown, f"a list of strings of 1.."
+                              f"{MAX_TENANT_TOKEN_CHARS} characters")
+        if not (uids or gids or tokens):
+            raise ConfigError(key, spec, "at least one of uids, gids, tokens (else nobody is in it)")
+        max_bytes = spec.get("max_bytes")
+        if max_bytes is not None:
+            try:
+                max_bytes = parse_size(max_bytes)
+            except ValueError as exc:
+                raise ConfigError(f"{key}.max_bytes", max_bytes, str(exc)) from None
+        for kind, values in (("uid", uids), ("gid", gids), ("token", tokens)):
+            for value in values:
+                other = owners.setdefault((kind, value), name)
+                if other != name:
+                    shown = "***" if kind == "token" else value
+                    raise ConfigError(f"{key}.{kind}s", shown,
+                                      f"a {kind} no other tenant names (tenants.{other} has it)")
+        out.append(TenantConfig(name, uids, gids, tuple(tokens), max_bytes))
+    return tuple(out)
+
+
+def _id_list(key: str, values: Any) -> tuple[int, ...]:
+    if not isinstance(values, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in values):
+        raise ConfigError(key, values, "a list of ids in 0..4294967295")
+    return tuple(values)
 
 
 def _validate_socket(cfg: Config) -> None:
@@ -428,6 +519,9 @@ def resolve_config(
             if key not in _FIELD_TYPES:
                 raise ConfigError(key, value, "one of " + ", ".join(sorted(_FIELD_TYPES))
                                   + _closest(key))
+            if key in _TABLE_KEYS and origin != "file":
+                name = ENV_PREFIX + key.upper() if origin == "env" else key
+                raise ConfigError(name, value, f"[{key}] tables in the TOML file only")
             merged[key] = _coerce(key, value)
             sources[key] = origin
     cfg = Config(**_normalise(merged))

@@ -51,8 +51,9 @@ _SAMPLE_MASK = (1 << _SAMPLE_BITS) - 1
 
 
 @lru_cache(maxsize=1024)
-def _space_seed(namespace: str, rank: int) -> int:
-    return xxhash.xxh3_64_intdigest(f"{namespace}\0{rank}".encode("utf-8", "surrogatepass"))
+def _space_seed(tenant: str, namespace: str, rank: int) -> int:
+    return xxhash.xxh3_64_intdigest(
+        f"{tenant}\0{namespace}\0{rank}".encode("utf-8", "surrogatepass"))
 
 
 class GhostLRU:
@@ -154,10 +155,11 @@ class GhostCaches:
 
     @staticmethod
     def key(ikey: Hashable) -> int:
-        """64-bit xxh3 of ``((namespace, rank), key)``: uniform (sampling uses its low bits) and
-        the same in every process, so a sample is reproducible across restarts and in tests."""
-        (namespace, rank), key = ikey
-        return xxhash.xxh3_64_intdigest(key, seed=_space_seed(namespace, rank))
+        """64-bit xxh3 of ``((tenant, namespace, rank), key)``: uniform (sampling uses its low bits)
+        and the same in every process, so a sample is reproducible across restarts and in tests.
+        The tenant is in the seed: two tenants' equal keys are two ghost entries, as in the tiers."""
+        (tenant, namespace, rank), key = ikey
+        return xxhash.xxh3_64_intdigest(key, seed=_space_seed(tenant, namespace, rank))
 
     def access(self, ikey: Hashable, hit_tier: str | None) -> None:
         """One LOOKUP key; ``hit_tier`` is the tier that really had it (None: miss)."""

@@ -64,6 +64,39 @@ class TierCollector(Collector):
             yield direct
 
 
+class TenantCollector(Collector):
+    """Per-tenant CPU-tier bytes and quotas at scrape time. The ``tenant`` label is a configured
+    tenant's name or ``other`` (every implicit uid:N / anonymous tenant summed), so its
+    cardinality is bounded by the config, not by who connects."""
+
+    def __init__(self, tenants, tier) -> None:  # kvtierd.tenants.TenantTable, tiers.cpu.CpuTier
+        self._tenants = tenants
+        self._tier = tier
+
+    def collect(self):
+        used = GaugeMetricFamily(
+            "kvtierd_tenant_used_bytes",
+            "CPU-tier bytes a tenant's chunks hold against its quota (pending included)",
+            labels=["tenant"],
+        )
+        quota = GaugeMetricFamily(
+            "kvtierd_tenant_quota_bytes",
+            "A tenant's CPU-tier quota (other: each implicit tenant's); 0 = only the capacity",
+            labels=["tenant"],
+        )
+        totals = dict.fromkeys(self._tenants.labels(), 0)
+        for tenant in list(self._tier.tenant_pages):
+            totals[self._tenants.label(tenant)] += (
+                self._tier.tenant_used_pages(tenant) * self._tier.page_bytes)
+        for label, nbytes in totals.items():
+            used.add_metric([label], nbytes)
+            name = label if label in self._tenants.configured else ""
+            quota.add_metric([label], self._tenants.quota_bytes(name) if name
+                             else self._tenants.default_max_bytes)
+        yield used
+        yield quota
+
+
 class DaemonMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -110,6 +143,11 @@ class DaemonMetrics:
             "kvtierd_nvme_io_duration_seconds", "NVMe job time (data + fdatasync + index)",
             ["op"], buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.quota_rejections = Counter(
+            "kvtierd_quota_rejections",
+            "Chunks refused QUOTA_EXCEEDED (PUT or promotion), by tenant (configured name or other)",
+            ["tenant"], registry=r,
+        )
         self.sessions = Gauge("kvtierd_sessions", "Client sessions alive", registry=r)
         self.sessions_closed = Counter(
             "kvtierd_sessions_closed", "Client sessions ended, by reason", ["reason"], registry=r
@@ -144,6 +182,11 @@ class DaemonMetrics:
             self.refused.labels(reason)
         for result in ("ok", "miss"):
             self.get_results.labels(result)
+
+    def add_tenants(self, tenants, tier) -> None:
+        self.registry.register(TenantCollector(tenants, tier))
+        for label in tenants.labels():
+            self.quota_rejections.labels(label)  # primed at 0: alerts need a series to increase
 
     def add_tiers(self, tiers: Callable[[], Iterable[tuple[str, dict[str, int]]]]) -> None:
         self.registry.register(TierCollector(tiers))

@@ -19,8 +19,11 @@ appended; a daemon answers an unknown ``v`` with ``UNSUPPORTED_VERSION`` naming 
 
 Per-op fields (request -> reply):
 
-* HELLO ``namespace: str, rank: int, fingerprint: str, staging: {kind, ...}, token?: str,
-  client?: map`` -> ``session: int, page_bytes: int, limits: map, daemon: str``.
+* HELLO ``namespace: str, world_size: int, rank: int, fingerprint: str, staging: {kind, ...},
+  token?: str, client?: map`` -> ``session: int, page_bytes: int, limits: map, daemon: str``.
+  ``world_size`` is 1..4096 and ``0 <= rank < world_size``; strings and the free-form ``client``
+  map are bounded (README "Protocol"). The session's *tenant* is never a field: the daemon assigns
+  it from the token (a configured tenant's) or the peer's credentials, which the ticket carries.
   ``staging`` is one of (``ticket`` from the staging handshake below, bound to its kind):
 
   - ``{"kind": "memfd", "ticket": bytes}``: the sealed memfd handed over in the handshake;
@@ -33,9 +36,11 @@ Per-op fields (request -> reply):
   ``BAD_HANDLE``: a name can be opened, swapped or truncated by others, a sealed memfd cannot.
 * PING -> ``handshake: str`` (the path of the staging handshake socket; needs no session or
   token) and is also a session heartbeat.
-* LOOKUP ``keys: [bytes], lease: bool`` -> ``tiers: [int]`` (``Tier`` per key, 0 = miss).
+* LOOKUP ``keys: [bytes], lease?: bool`` -> ``tiers: [int]`` (``Tier`` per key, 0 = miss).
 * PUT ``items: [[key, offset, nbytes], ...]`` -> ``results: [int]`` (``Status`` per item; ``EXISTS``
-  means the key was already stored by the same layout and nothing was copied).
+  means the key was already stored by the same layout and nothing was copied; ``QUOTA_EXCEEDED``
+  that the tenant's CPU-tier quota is full of its own chunks that cannot be evicted).
+  ``0 <= offset <= 2**62`` and ``1 <= nbytes <= 2**62`` (and inside the staging buffer).
 * GET ``items: [[key, offset, nbytes], ...]`` -> ``results: [int]`` (``OK`` or why it is a miss).
 * DELETE ``keys: [bytes]`` -> ``results: [int]``.
 * STATS ``token?: str`` -> ``stats: map`` (tiers, chunks, counters; what ``kvtierd stats``
@@ -120,6 +125,7 @@ class Status(enum.IntEnum):
     INTERNAL = 17  # a bug: logged with a traceback, the daemon keeps serving
     SHUTTING_DOWN = 18
     CHECKSUM_MISMATCH = 19  # stored bytes no longer match their checksum: dropped, a miss
+    QUOTA_EXCEEDED = 20  # the tenant's CPU-tier quota is full of its own unevictable chunks
 
 
 #: Per-item PUT statuses a client may count as "the chunk is stored".

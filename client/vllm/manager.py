@@ -99,7 +99,8 @@ class KVTierOffloadingManager(OffloadingManager):
                 return None
             self._indexes = [
                 KVTierIndex(self.settings.address, namespace=lay.namespace, rank=lay.rank,
-                            fingerprint=lay.fingerprint, timeout_s=self.settings.timeout_s,
+                            world_size=lay.world_size, fingerprint=lay.fingerprint,
+                            timeout_s=self.settings.timeout_s,
                             retry_s=self.settings.retry_s, token=self.settings.token)
                 for lay in layouts]
             log.info("kvtierd: scheduler attached to %s, namespace %s, %d rank(s)",

@@ -24,7 +24,7 @@ class KVTierSettings:
     address: str = field(default_factory=client_socket)
     timeout_s: float = 2.0  # kvtierd_timeout_s: longest wait for one daemon reply
     retry_s: float = 5.0  # kvtierd_retry_s: after a failure, answer misses this long, then retry
-    token: str = ""  # kvtierd_token: auth token, if the daemon requires one
+    token: str = ""  # kvtierd_token: auth token or a tenant token (README "Security model")
     model: str = ""  # kvtierd_model: model id for the namespace; default: vLLM's model name
     layout_dir: str = "/dev/shm"  # kvtierd_layout_dir: where workers publish their layout
     staging_bytes: int = 0  # kvtierd_staging_bytes: worker staging buffer; 0 = client default

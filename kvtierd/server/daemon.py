@@ -57,6 +57,7 @@ from kvtierd.server.startup import (  # noqa: F401 (StartupError: the CLI's impo
     prepare_arena_room,
     serve_metrics,
 )
+from kvtierd.tenants import TenantTable
 from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
 from kvtierd.tiers.arena import SHM_DIR, Arena
@@ -132,9 +133,11 @@ class Daemon:
             self.notifier.status(f"failed to start: {exc}")
 
     def _build(self, cfg: Config) -> None:
+        self.tenants = TenantTable(cfg)
         self.tier = CpuTier(
             self.arena, cfg.page_bytes, policy=cfg.eviction_policy,
             high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
+            quota_pages=self._quota_pages,
         )
         self._attach_arena_index(cfg)
         self.nvme = self._open_nvme(cfg)
@@ -156,7 +159,7 @@ class Daemon:
                         cfg.max_sessions, max_sessions)
         self.admission = Admission(cfg, self.metrics, max_sessions)
         self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting,
-                                   self.tickets)
+                                   self.tickets, self.tenants)
         self.handlers.metrics_address = self.metrics_address
         self.handlers.handshake_stats = self.handshake.counts
         self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
@@ -164,7 +167,8 @@ class Daemon:
         self._pinned_reported = -1
         self.handlers.pinning = self.pinner.stats
         self.data = DataOps(cfg, self.mover, self.sessions, self.engine, self.metrics, accounting,
-                            self._send)
+                            self._send, self.tenants)
+        self.metrics.add_tenants(self.tenants, self.tier)
         # Capacity planning: what each tier's hit ratio would be if it were 2x/4x larger.
         tiers = [(name, stats["capacity_bytes"]) for name, stats in self.mover.tier_stats()]
         self.handlers.ghosts = self.data.ghosts = GhostCaches(tiers, cfg.page_bytes)
@@ -182,6 +186,12 @@ class Daemon:
         }
         self._stop = threading.Event()
         self.probes = ProbeSchedule()
+
+    def _quota_pages(self, tenant: str) -> int:
+        """A tenant's quota in whole pages (rounded down, never past max_bytes), at least one:
+        0 would mean "no quota"."""
+        quota = self.tenants.quota_bytes(tenant)
+        return max(1, quota // self.cfg.page_bytes) if quota else 0
 
     def _attach_arena_index(self, cfg: Config) -> None:
         if not cfg.cpu_persistent:
@@ -205,7 +215,7 @@ class Daemon:
             log.warning("NVMe fault injection is ON (%s): a test setting", fault_file)
         return NvmeTier(cfg.resolved_nvme_dir(), cfg.nvme_bytes, cfg.page_bytes,
                         policy=cfg.eviction_policy, fault_file=fault_file,
-                        instance=cfg.instance_id)
+                        instance=cfg.instance_id, dir_mode=cfg.state_dir_bits)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:

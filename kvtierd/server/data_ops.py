@@ -31,6 +31,7 @@ from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.movement import TierMover
 from kvtierd.server.sessions import Session, SessionTable
+from kvtierd.tenants import TenantTable
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,9 @@ class Batch:
 class DataOps:
     def __init__(self, cfg: Config, mover: TierMover, sessions: SessionTable, engine: CopyEngine,
                  metrics: DaemonMetrics, accounting: Accounting,
-                 send: Callable[..., Any]) -> None:
+                 send: Callable[..., Any], tenants: TenantTable) -> None:
         self.cfg = cfg
+        self.tenants = tenants
         self.tier = mover.cpu
         self.mover = mover
         self.sessions = sessions
@@ -106,7 +108,7 @@ class DataOps:
             status = self._existing_below(below, session.fingerprint, nbytes)
             if status is Status.EXISTS:
                 self.ghosts.insert(ikey, nbytes)
-            self._fail(batch, i, status, self._reserve_message(status, nbytes))
+            self._fail(batch, i, status, self._reserve_message(status, nbytes, session.tenant))
             return
         status, entry = self.tier.reserve(ikey, session.fingerprint, nbytes, session.id)
         if entry is None:
@@ -115,7 +117,7 @@ class DataOps:
             if status is Status.NO_SPACE and self.mover.space_coming():
                 batch.parked.append((i, key, offset, nbytes))
                 return
-            self._fail(batch, i, status, self._reserve_message(status, nbytes))
+            self._fail(batch, i, status, self._reserve_message(status, nbytes, session.tenant))
             return
         session.pending.add(entry)
         jobs.append((i, entry, batch.frames[i] if session.staging is None else offset))
@@ -236,7 +238,9 @@ class DataOps:
                     batch.session.inline_reply_bytes -= source.nbytes
                     batch.inline_bytes -= source.nbytes
                 return
-            self._get_miss(batch, i, status, "no room in the CPU tier to promote this NVMe chunk")
+            why = (self._reserve_message(status, source.nbytes, batch.session.tenant)
+                   if status is Status.QUOTA_EXCEEDED else "no room in the CPU tier")
+            self._get_miss(batch, i, status, f"cannot promote this NVMe chunk: {why}")
             return
         batch.jobs_left += 1
         batch.session.in_flight += 1
@@ -284,11 +288,15 @@ class DataOps:
         problem = requests.key_problem(key)
         if problem is not None:
             return problem
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
-            return Status.BAD_REQUEST, f"nbytes {nbytes!r:.40} must be a positive int"
+        problem = requests.nbytes_problem(nbytes)
+        if problem is not None:
+            return problem
         if session.staging is not None:
             why = session.staging.check_range(offset, nbytes)
             return (Status.OUT_OF_BOUNDS, why) if why else None
+        problem = requests.offset_problem(offset)
+        if problem is not None:
+            return problem
         if nbytes > self.cfg.max_inline_bytes:
             return (
                 Status.TOO_LARGE,
@@ -302,7 +310,15 @@ class DataOps:
             )
         return None
 
-    def _reserve_message(self, status: Status, nbytes: int) -> str:
+    def _reserve_message(self, status: Status, nbytes: int, tenant: str) -> str:
+        if status is Status.QUOTA_EXCEEDED:
+            self.metrics.quota_rejections.labels(self.tenants.label(tenant)).inc()
+            page = self.tier.page_bytes
+            return (
+                f"tenant {tenant} is over its quota: {self.tier.tenant_used_pages(tenant) * page}"
+                f" of {self.tier.quota_pages(tenant) * page} bytes used, {nbytes} more asked, and"
+                " its own chunks that could be evicted do not make enough room"
+            )
         if status is Status.NO_SPACE:
             return (
                 f"no room for {nbytes} bytes: the CPU tier is full of chunks that are pending, "

@@ -32,6 +32,7 @@ from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
 from kvtierd.staging_cuda import CudaIpcStaging
+from kvtierd.tenants import OTHER_LABEL, TenantTable
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,10 @@ class OpHandlers:
         metrics: DaemonMetrics,
         accounting: Accounting,
         tickets: TicketBook,
+        tenants: TenantTable,
     ) -> None:
         self.cfg = cfg
+        self.tenants = tenants
         self.mover = mover
         self.tier = mover.cpu
         self.sessions = sessions
@@ -62,22 +65,21 @@ class OpHandlers:
 
     # -- session ---------------------------------------------------------------------------------
     def hello(self, identity: bytes, header: dict, frames: list) -> dict:
-        if self.cfg.auth_token and not token_matches(header.get("token"), self.cfg.auth_token):
-            raise ProtocolError(Status.AUTH_FAILED, "HELLO token missing or wrong")
-        namespace = requests.field(header, "namespace", str, "a non-empty string")
-        if not 0 < len(namespace) <= 256:
-            raise ProtocolError(Status.BAD_REQUEST, "namespace must have 1..256 characters")
-        rank = requests.field(header, "rank", int, "an int >= 0")
-        if rank < 0:
-            raise ProtocolError(Status.BAD_REQUEST, f"rank {rank} must be >= 0")
-        fingerprint = requests.field(header, "fingerprint", str, "the layout fingerprint")
-        if not 0 < len(fingerprint) <= 128:
-            raise ProtocolError(Status.BAD_REQUEST, "fingerprint must have 1..128 characters")
+        token = self._authorise(header)
+        namespace = requests.text(header, "namespace", requests.MAX_NAMESPACE_CHARS)
+        world_size = requests.integer(header, "world_size", 1, requests.MAX_WORLD_SIZE)
+        rank = requests.integer(header, "rank", 0, world_size - 1)
+        fingerprint = requests.text(header, "fingerprint", requests.MAX_FINGERPRINT_CHARS)
         staging_spec = requests.field(header, "staging", dict, "a staging handle map")
+        client = requests.client_map(header)
+        # The peer's kernel-reported credentials come with the ticket of its staging handshake;
+        # without one (an inline client over TCP) only a tenant token places it outside
+        # "anonymous". Opened last: nothing after it can refuse the HELLO.
         staging, peer = self._open_staging(staging_spec)
-        client = header.get("client") if isinstance(header.get("client"), dict) else {}
+        assigned = self.tenants.resolve(peer, token)
         try:
-            session = Session(identity, namespace, rank, fingerprint, staging, client, peer=peer)
+            session = Session(identity, assigned.tenant, namespace, rank, world_size, fingerprint,
+                              staging, client, peer=peer)
             self.sessions.add(session)
         except BaseException:  # a refused HELLO keeps no mapping: the client frees its buffer
             if staging is not None:
@@ -85,7 +87,8 @@ class OpHandlers:
             raise
         self.metrics.sessions.set(len(self.sessions))
         log.info(
-            "session %d: namespace %s rank %d staging %s peer %s", session.id, namespace, rank,
+            "session %d: tenant %s (%s) namespace %s rank %d/%d staging %s peer %s", session.id,
+            assigned.tenant, assigned.reason, namespace, rank, world_size,
             staging.name if staging else "inline",
             peer.describe() if peer else "unknown (no handshake)",
         )
@@ -95,6 +98,24 @@ class OpHandlers:
             "daemon": __version__,
             "limits": self.limits(),
         }
+
+    def _authorise(self, header: dict) -> str:
+        """The HELLO token ("" if none), refused when it does not open this daemon: with an
+        ``auth_token`` the token must be it or a tenant's token; with tenant tokens configured, a
+        token that is none of them is refused rather than silently ignored (a mistyped tenant
+        token would otherwise land the session in its uid's tenant)."""
+        token = header.get("token", "")
+        if not isinstance(token, str) or len(token) > requests.MAX_TOKEN_CHARS:
+            raise ProtocolError(Status.AUTH_FAILED, "HELLO token missing or wrong")
+        tenant = self.tenants.token_tenant(token) if token else None
+        if self.cfg.auth_token:
+            # A tenant token is an operator-issued credential too: its session counts as one
+            # opened with auth_token (STATS/CHECK included).
+            if not token_matches(token, self.cfg.auth_token) and tenant is None:
+                raise ProtocolError(Status.AUTH_FAILED, "HELLO token missing or wrong")
+        elif token and tenant is None and self.tenants.has_tokens:
+            raise ProtocolError(Status.AUTH_FAILED, "HELLO token is no configured tenant's token")
+        return token
 
     def limits(self) -> dict[str, int]:
         return {
@@ -144,7 +165,7 @@ class OpHandlers:
     # -- index -----------------------------------------------------------------------------------
     def lookup(self, session: Session, header: dict, frames: list) -> dict:
         keys = requests.batch(header, "keys", self.cfg.max_batch)
-        lease = bool(header.get("lease", False))
+        lease = requests.flag(header, "lease", False)
         tiers = []
         for key in keys:
             problem = requests.key_problem(key)
@@ -193,6 +214,7 @@ class OpHandlers:
                     "page_bytes": self.cfg.page_bytes,
                 },
                 "tiers": dict(self.mover.tier_stats()),
+                "tenants": self.tenant_stats(),
                 "sessions": len(self.sessions),
                 "connections": self.connections() if self.connections else {},
                 "handshake": {"socket": str(self.cfg.handshake_path), "tickets": len(self.tickets),
@@ -205,6 +227,24 @@ class OpHandlers:
                          "lost": {str(d): why for d, why in cuda_health.lost().items()}},
             }
         }
+
+    def tenant_stats(self, limit: int = 64) -> dict[str, dict[str, int]]:
+        """CPU-tier use per tenant: every configured tenant, then the implicit ones with the
+        most bytes (at most ``limit`` rows in all; the rest summed up as ``other``)."""
+        per = self.tier.tenant_stats()
+        for name in self.tenants.configured:
+            per.setdefault(name, {"used_bytes": 0, "quota_bytes": self.tenants.quota_bytes(name),
+                                  "quota_rejections": 0})
+        configured = {n: per.pop(n) for n in list(per) if n in self.tenants.configured}
+        implicit = sorted(per.items(), key=lambda kv: -kv[1]["used_bytes"])
+        room = max(0, limit - len(configured))
+        out = {**configured, **dict(implicit[:room])}
+        rest = implicit[room:]
+        if rest:
+            out[OTHER_LABEL] = {k: sum(v[k] for _, v in rest)
+                                for k in ("used_bytes", "quota_rejections")}
+            out[OTHER_LABEL]["quota_bytes"] = self.tenants.default_max_bytes
+        return out
 
     def check(self, session: Session | None, header: dict, frames: list) -> dict:
         """Verify tier and session invariants; O(chunks), so an admin/test op, not a hot one."""

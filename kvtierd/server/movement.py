@@ -93,9 +93,8 @@ class TierMover:
         if target is None:
             self.metrics.io_failures.labels("nvme", "no_space").inc()
             return False
-        entry.demoting = True
+        self.cpu.mark_demoting(entry)
         self.cpu.acquire(entry)
-        self.cpu.demoting_pages += entry.pages
         self._queued["demote"].append((entry, target))
         return True
 
@@ -176,8 +175,7 @@ class TierMover:
         assert job.writes is not None
         self._writes_done(job, error, "demotion")
         for entry, target in job.writes:
-            self.cpu.demoting_pages -= entry.pages
-            entry.demoting = False
+            self.cpu.unmark_demoting(entry)
             self.cpu.release(entry)
             self.cpu.finish_demotion(entry)
             if error is None:

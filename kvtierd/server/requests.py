@@ -1,4 +1,9 @@
-"""Field validation for request headers: every refusal names the field, the value and the rule."""
+"""Field validation for request headers: every refusal names the field, the value and the rule.
+
+Every value is checked here, at the boundary, against its real range before anything else sees
+it: ints that SQLite could not bind (``rank = 2**63``) or that no buffer could hold, strings of
+any length, nested maps of any depth never get past this module.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,16 @@ from typing import Any
 from kvtierd.protocol import MAX_KEY_BYTES, ProtocolError, Status
 
 Item = tuple[Any, Any, Any]  # (key, offset, nbytes) as received; checked per item
+
+MAX_WORLD_SIZE = 4096  # tensor-parallel ranks of one model
+MAX_OFFSET = 2**62  # largest offset or size anywhere (a staging buffer is far smaller)
+MAX_NAMESPACE_CHARS = 256
+MAX_FINGERPRINT_CHARS = 128
+MAX_TOKEN_CHARS = 256
+# The free-form ``client`` map of HELLO (pid, library name, ...): logged, never interpreted.
+MAX_CLIENT_ENTRIES = 32  # map entries and list items, all levels together
+MAX_CLIENT_DEPTH = 2  # a map (1) of scalars or of maps/lists (2) of scalars
+MAX_CLIENT_STRING = 256  # characters of a key or a string, bytes of a bin value
 
 
 def field(header: dict, name: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -18,6 +33,71 @@ def field(header: dict, name: str, kind: type | tuple[type, ...], what: str) -> 
             Status.BAD_REQUEST, f"field {name!r} is {value!r:.80}; expected {what}"
         )
     return value
+
+
+def integer(header: dict, name: str, low: int, high: int) -> int:
+    """An int field in ``[low, high]`` (bools are not ints here)."""
+    value = field(header, name, int, f"an int in {low}..{high}")
+    if not low <= value <= high:
+        raise ProtocolError(
+            Status.BAD_REQUEST, f"field {name!r} is {value}; allowed: an int in {low}..{high}"
+        )
+    return value
+
+
+def text(header: dict, name: str, max_chars: int) -> str:
+    """A non-empty string field of at most ``max_chars`` characters."""
+    value = field(header, name, str, f"a string of 1..{max_chars} characters")
+    if not 0 < len(value) <= max_chars:
+        raise ProtocolError(
+            Status.BAD_REQUEST,
+            f"field {name!r} has {len(value)} characters; allowed: 1..{max_chars}",
+        )
+    return value
+
+
+def flag(header: dict, name: str, default: bool) -> bool:
+    """An optional bool field."""
+    if name not in header:
+        return default
+    return field(header, name, bool, "true or false")
+
+
+def client_map(header: dict) -> dict:
+    """The optional free-form ``client`` map, bounded in entries, depth and sizes."""
+    if "client" not in header:
+        return {}
+    value = field(header, "client", dict, "a map")
+    budget = [MAX_CLIENT_ENTRIES]
+    why = _client_problem(value, 1, budget)
+    if why:
+        raise ProtocolError(Status.BAD_REQUEST, f"field 'client' {why}")
+    return value
+
+
+def _client_problem(value: Any, depth: int, budget: list[int]) -> str:
+    if isinstance(value, (dict, list)):
+        if depth > MAX_CLIENT_DEPTH:
+            return f"nests deeper than {MAX_CLIENT_DEPTH} levels"
+        budget[0] -= len(value)
+        if budget[0] < 0:
+            return f"has more than {MAX_CLIENT_ENTRIES} entries in all"
+        pairs = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+        for key, item in pairs:
+            if key is not None and not (isinstance(key, str) and len(key) <= MAX_CLIENT_STRING):
+                return f"has a key {key!r:.40}; allowed: strings of <= {MAX_CLIENT_STRING} chars"
+            why = _client_problem(item, depth + 1, budget)
+            if why:
+                return why
+        return ""
+    if isinstance(value, (str, bytes)):
+        return "" if len(value) <= MAX_CLIENT_STRING else (
+            f"has a value of {len(value)} characters; allowed: <= {MAX_CLIENT_STRING}")
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return ""
+    if isinstance(value, int):
+        return "" if -2**63 <= value < 2**63 else f"has an int {value} outside 64 bits"
+    return f"has a value of type {type(value).__name__}"
 
 
 def batch(header: dict, name: str, limit: int) -> list:
@@ -50,4 +130,17 @@ def key_problem(key: Any) -> tuple[Status, str] | None:
             Status.KEY_TOO_LONG,
             f"key of {len(key)} bytes is longer than the {MAX_KEY_BYTES}-byte limit",
         )
+    return None
+
+
+def nbytes_problem(nbytes: Any) -> tuple[Status, str] | None:
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 < nbytes <= MAX_OFFSET:
+        return Status.BAD_REQUEST, f"nbytes {nbytes!r:.40} must be a positive int <= {MAX_OFFSET}"
+    return None
+
+
+def offset_problem(offset: Any) -> tuple[Status, str] | None:
+    """For items with no staging buffer to check against (inline sessions): a plain range."""
+    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= MAX_OFFSET:
+        return Status.BAD_REQUEST, f"offset {offset!r:.40} must be an int in 0..{MAX_OFFSET}"
     return None

@@ -26,8 +26,10 @@ _ids = itertools.count(1)
 @dataclass(eq=False)
 class Session:
     identity: bytes  # ZeroMQ routing id of the peer
+    tenant: str  # assigned by the daemon (kvtierd.tenants), never chosen by the client
     namespace: str
     rank: int
+    world_size: int
     fingerprint: str
     staging: MemfdStaging | Any | None  # MemfdStaging, CudaIpcStaging; None: inline frames
     client: dict
@@ -57,10 +59,11 @@ class Session:
         self.inline_replies = held
 
     @property
-    def space(self) -> tuple[str, int]:
-        return (self.namespace, self.rank)
+    def space(self) -> tuple[str, str, int]:
+        """The key space this session addresses: its tenant's, never another's."""
+        return (self.tenant, self.namespace, self.rank)
 
-    def ikey(self, key: bytes) -> tuple[tuple[str, int], bytes]:
+    def ikey(self, key: bytes) -> tuple[tuple[str, str, int], bytes]:
         return (self.space, key)
 
 
@@ -117,8 +120,8 @@ class SessionTable:
         # Every reservation has its copy in flight (reserve and submit happen together); the loop
         # aborts it when that copy completes and sees the session closed.
         self.release_staging(session)
-        log.info("session %d (%s rank %d) closed: %s", session.id, session.namespace,
-                 session.rank, reason)
+        log.info("session %d (tenant %s, %s rank %d) closed: %s", session.id, session.tenant,
+                 session.namespace, session.rank, reason)
 
     def release_staging(self, session: Session) -> None:
         if session.closed and session.in_flight == 0 and session.staging is not None:

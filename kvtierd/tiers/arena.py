@@ -154,6 +154,7 @@ class Arena:
         self.attached = False
         fd = _open_locked(self.path)  # one daemon per arena, for its whole life
         try:
+            os.fchmod(fd, 0o600)  # every tenant's KV bytes: the daemon's alone (older files too)
             self._reset_stale(fd, persistent)
             self.attached = persistent and os.fstat(fd).st_size == nbytes
             _allocate(fd, self.path, nbytes)

@@ -29,14 +29,18 @@ class TierIndex:
         self.policy.touch(ikey)
         return Status.OK, entry
 
-    def pick_victims(self, pages_needed: int) -> tuple[list[ChunkEntry], int]:
+    def pick_victims(self, pages_needed: int, tenant: str | None = None
+                     ) -> tuple[list[ChunkEntry], int]:
         """Coldest evictable chunks (READY, unleased, unread, not demoting) covering
-        ``pages_needed`` pages, and the pages they hold; nothing when none are needed."""
+        ``pages_needed`` pages, and the pages they hold; nothing when none are needed. With
+        ``tenant``, only that tenant's chunks (a tenant over its quota evicts its own)."""
         victims: list[ChunkEntry] = []
         freed = 0
         if pages_needed <= 0:
             return victims, freed
-        for ikey in self.policy.victims():
+        # Only a tier with a partitioned policy (the CPU tier) is asked for one tenant's victims.
+        keys = self.policy.victims() if tenant is None else self.policy.victims_of(tenant)
+        for ikey in keys:
             entry = self.index[ikey]
             if not entry.evictable:
                 continue

@@ -25,7 +25,7 @@ class ChunkState(enum.Enum):
 
 @dataclass(eq=False)
 class ChunkEntry:
-    ikey: Hashable  # (space, key): the index key; space = (namespace, rank)
+    ikey: Hashable  # (space, key): the index key; space = (tenant, namespace, rank)
     fingerprint: str  # layout fingerprint of the writer; a reader must present the same
     nbytes: int  # payload bytes (the pages hold ceil(nbytes / page_bytes) pages)
     runs: list[Run]  # pages holding the payload, in payload order
@@ -52,6 +52,11 @@ class ChunkEntry:
             and self.pin_count == 0
             and not self.demoting
         )
+
+
+def tenant_of(ikey: Hashable) -> str:
+    """The tenant part of an index key ``((tenant, namespace, rank), key)``."""
+    return ikey[0][0]  # type: ignore[index]
 
 
 def segments(runs: list[Run], nbytes: int, page_bytes: int) -> list[tuple[int, int]]:

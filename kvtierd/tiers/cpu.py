@@ -9,6 +9,11 @@ Primitives (all called from the daemon's request loop, never concurrently):
 * ``pin(entry)`` / ``unpin(entry)`` for leases
 * ``delete(ikey)``, ``enforce_watermarks()``, ``check_invariants()``
 
+Per-tenant quotas (``quota_pages(tenant)``, 0 = none): a tenant's pages (pending included, chunks
+on their way to NVMe excluded) may not pass its quota. A reservation that would pass it evicts the
+tenant's *own* coldest chunks first, and is refused ``QUOTA_EXCEEDED`` if that cannot make room;
+it never evicts another tenant's chunks to pass a quota.
+
 Bytes are copied by the copy engine, outside this class; it only hands out byte ranges.
 """
 
@@ -19,11 +24,12 @@ from collections import Counter
 from typing import Callable, Hashable
 
 from kvtierd.eviction import make_policy
+from kvtierd.eviction.partitioned import PartitionedPolicy
 from kvtierd.protocol import Status
 from kvtierd.tiers.allocator import PageAllocator
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.base import TierIndex
-from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments
+from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments, tenant_of
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,7 @@ class CpuTier(TierIndex):
         high_watermark: float = 0.95,
         low_watermark: float = 0.90,
         on_evict: Callable[[ChunkEntry], None] | None = None,
+        quota_pages: Callable[[str], int] = lambda tenant: 0,
     ) -> None:
         """``demoter`` (set by the tier mover when an NVMe tier exists) is asked for every victim:
         True means it started writing the chunk below, which then leaves via finish_demotion."""
@@ -49,7 +56,8 @@ class CpuTier(TierIndex):
         self.num_pages = arena.nbytes // page_bytes
         self.capacity_bytes = self.num_pages * page_bytes
         self.allocator = PageAllocator(self.num_pages)
-        self.policy = make_policy(policy)
+        # One order for all chunks and one per tenant (a tenant over its quota evicts its own).
+        self.policy = PartitionedPolicy(lambda: make_policy(policy), tenant_of)
         self.high_pages = int(self.num_pages * high_watermark)
         self.low_pages = int(self.num_pages * low_watermark)
         self.on_evict = on_evict
@@ -65,6 +73,12 @@ class CpuTier(TierIndex):
         # Running totals, so that stats() and metric scrapes are O(1) however big the index.
         self.ready_chunks = self.ready_pages = 0
         self.pending_chunks = self.pending_pages = 0
+        self.quota_pages = quota_pages
+        # Pages allocated to each tenant's chunks (pending, ready, demoting, doomed-but-read),
+        # and of those the pages being demoted (they count as gone for the quota).
+        self.tenant_pages: Counter[str] = Counter()
+        self.tenant_demoting: Counter[str] = Counter()
+        self.quota_rejections: Counter[str] = Counter()
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -87,6 +101,10 @@ class CpuTier(TierIndex):
         pages = self.pages_for(nbytes)
         if pages > self.num_pages:
             return Status.TOO_LARGE, None
+        tenant = tenant_of(ikey)
+        if not self._within_quota(tenant, pages):
+            self.quota_rejections[tenant] += 1
+            return Status.QUOTA_EXCEEDED, None
         runs = self.allocator.allocate(pages)
         if runs is None:
             # Pages already on their way out (demotions in flight) count as coming back.
@@ -103,7 +121,44 @@ class CpuTier(TierIndex):
         self.index[ikey] = entry
         self.pending_chunks += 1
         self.pending_pages += pages
+        self.tenant_pages[tenant] += pages
         return Status.OK, entry
+
+    def tenant_used_pages(self, tenant: str) -> int:
+        """What counts against ``tenant``'s quota: its pages, less those being demoted."""
+        return self.tenant_pages[tenant] - self.tenant_demoting[tenant]
+
+    def _within_quota(self, tenant: str, pages: int) -> bool:
+        """Whether ``pages`` more fit ``tenant``'s quota, evicting its own coldest chunks (never
+        another tenant's) if that makes them fit; nothing is evicted when it would not."""
+        quota = self.quota_pages(tenant)
+        if not quota:
+            return True
+        over = self.tenant_used_pages(tenant) + pages - quota
+        if over <= 0:
+            return True
+        if pages > quota:
+            return False
+        self.evict(over, all_or_nothing=True, tenant=tenant)
+        return self.tenant_used_pages(tenant) + pages <= quota
+
+    def mark_demoting(self, entry: ChunkEntry) -> None:
+        """The entry is being written to NVMe: its pages are on their way out."""
+        entry.demoting = True
+        self.demoting_pages += entry.pages
+        self.tenant_demoting[tenant_of(entry.ikey)] += entry.pages
+
+    def unmark_demoting(self, entry: ChunkEntry) -> None:
+        entry.demoting = False
+        self.demoting_pages -= entry.pages
+        self.tenant_demoting[tenant_of(entry.ikey)] -= entry.pages
+
+    def _free(self, entry: ChunkEntry) -> None:
+        self.allocator.free(entry.runs)
+        tenant = tenant_of(entry.ikey)
+        self.tenant_pages[tenant] -= entry.pages
+        if not self.tenant_pages[tenant]:
+            del self.tenant_pages[tenant]
 
     def _existing_status(self, entry: ChunkEntry, fingerprint: str, nbytes: int) -> Status:
         if entry.fingerprint != fingerprint:
@@ -123,6 +178,7 @@ class CpuTier(TierIndex):
         if not attached or db.reset_reason:
             db.delete([row.ikey for row in db.rows()])
             return 0
+        self.tenant_pages.clear()
         used = []
         for row in db.rows():
             entry = ChunkEntry(ikey=row.ikey, fingerprint=row.fingerprint, nbytes=row.nbytes,
@@ -146,14 +202,14 @@ class CpuTier(TierIndex):
             self.policy.insert(entry.ikey)
             self.ready_chunks += 1
             self.ready_pages += entry.pages
+            self.tenant_pages[tenant_of(entry.ikey)] += entry.pages
         return len(self.index)
 
     def commit(self, entry: ChunkEntry, checksum: bytes) -> None:
         assert entry.state is ChunkState.PENDING and self.index.get(entry.ikey) is entry
         if self.db is not None:  # durable before the PUT is answered
-            ns, rank = entry.ikey[0]
-            self.db.insert([IndexRow(ns, rank, entry.ikey[1], entry.fingerprint, entry.nbytes,
-                                     checksum, entry.runs)])
+            self.db.insert([IndexRow.of(entry.ikey, entry.fingerprint, entry.nbytes, checksum,
+                                        entry.runs)])
         entry.state = ChunkState.READY
         entry.checksum = checksum
         self.pending_chunks -= 1
@@ -166,7 +222,7 @@ class CpuTier(TierIndex):
     def abort(self, entry: ChunkEntry) -> None:
         assert entry.state is ChunkState.PENDING and self.index.get(entry.ikey) is entry
         del self.index[entry.ikey]
-        self.allocator.free(entry.runs)
+        self._free(entry)
         self.pending_chunks -= 1
         self.pending_pages -= entry.pages
         self.counters["aborts"] += 1
@@ -182,7 +238,7 @@ class CpuTier(TierIndex):
         self.held_pages -= entry.pages
         if entry.doomed and entry.ref_count == 0:
             self._doomed.discard(entry)
-            self.allocator.free(entry.runs)
+            self._free(entry)
 
     def pin(self, entry: ChunkEntry) -> None:
         entry.pin_count += 1
@@ -213,15 +269,17 @@ class CpuTier(TierIndex):
             entry.doomed = True
             self._doomed.add(entry)
         else:
-            self.allocator.free(entry.runs)
+            self._free(entry)
 
-    def evict(self, pages_needed: int, all_or_nothing: bool = False) -> int:
-        """Evict cold, unpinned, unreferenced chunks until ``pages_needed`` pages are freed.
+    def evict(self, pages_needed: int, all_or_nothing: bool = False,
+              tenant: str | None = None) -> int:
+        """Evict cold, unpinned, unreferenced chunks (only ``tenant``'s, if given) until
+        ``pages_needed`` pages are freed.
 
         With ``all_or_nothing`` (a PUT making room) nothing is evicted unless enough can be: a PUT
         that fails anyway must not empty the cache on its way.
         """
-        victims, freed = self.pick_victims(pages_needed)
+        victims, freed = self.pick_victims(pages_needed, tenant)
         if all_or_nothing and freed < pages_needed:
             return 0
         for entry in victims:
@@ -262,6 +320,18 @@ class CpuTier(TierIndex):
             **{k: v for k, v in self.counters.items()},
         }
 
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Per tenant with pages or refusals: bytes counted against its quota, its quota and its
+        refusals (O(tenants), not O(chunks))."""
+        return {
+            tenant: {
+                "used_bytes": self.tenant_used_pages(tenant) * self.page_bytes,
+                "quota_bytes": self.quota_pages(tenant) * self.page_bytes,
+                "quota_rejections": self.quota_rejections[tenant],
+            }
+            for tenant in sorted(set(self.tenant_pages) | set(self.quota_rejections))
+        }
+
     def check_invariants(self) -> None:
         self.allocator.check_invariants()
         owned: list[tuple[int, int]] = []
@@ -288,4 +358,21 @@ class CpuTier(TierIndex):
         assert self.pending_chunks == len(pending), "pending chunk count drifted"
         assert self.pending_pages == sum(e.pages for e in pending), "pending pages drifted"
         assert len(self.policy) == len(candidates), "eviction policy and READY chunks disagree"
+        self._check_tenants()
         assert all(k in candidates for k in self.policy.victims()), "policy tracks a non-candidate"
+        self.policy.check_invariants()
+
+    def _check_tenants(self) -> None:
+        pages: Counter[str] = Counter()
+        demoting: Counter[str] = Counter()
+        for entry in [*self.index.values(), *self._doomed]:
+            pages[tenant_of(entry.ikey)] += entry.pages
+            if entry.demoting:
+                demoting[tenant_of(entry.ikey)] += entry.pages
+        nonzero = {t: n for t, n in self.tenant_pages.items() if n}  # negatives are drift too
+        assert nonzero == pages, (
+            f"per-tenant pages drifted: counted {dict(self.tenant_pages)}, held {dict(pages)}")
+        assert {t: n for t, n in self.tenant_demoting.items() if n} == demoting, (
+            "per-tenant demoting pages drifted")
+        assert sum(pages.values()) == self.num_pages - self.allocator.free_pages, (
+            "tenants' pages and the allocator disagree")

@@ -33,6 +33,7 @@ from kvtierd.tiers.nvme_file import (
     FaultInjector,
     claim_directory,
     lock_directory,
+    make_state_dir,
     probe_direct_io,
 )
 
@@ -59,10 +60,12 @@ class NvmeTier(TierIndex):
         fault_file: Path | None = None,
         on_status: Callable[[str], None] | None = None,
         instance: str = "",
+        dir_mode: int = 0o700,
     ) -> None:
         """``instance``: the owning daemon's instance id; another instance's directory is refused
-        (claim_directory) instead of reset. Empty: no ownership check (tests, tools)."""
-        directory.mkdir(parents=True, exist_ok=True)
+        (claim_directory) instead of reset. Empty: no ownership check (tests, tools).
+        ``dir_mode``: the directory's mode (state_dir_mode)."""
+        make_state_dir(directory, dir_mode)
         self.directory = directory
         self.page_bytes = page_bytes
         self._lock_fd = lock_directory(directory)
@@ -184,8 +187,7 @@ class NvmeTier(TierIndex):
                   ) -> Callable[[], int]:
         """Copy each entry's source arena pages into its pages, make them all durable with one
         ``fdatasync``, then index them in one transaction. All or nothing per job."""
-        rows = [IndexRow(e.ikey[0][0], e.ikey[0][1], e.ikey[1], e.fingerprint, e.nbytes,
-                         e.checksum, e.runs) for e, _ in items]
+        rows = [IndexRow.of(e.ikey, e.fingerprint, e.nbytes, e.checksum, e.runs) for e, _ in items]
 
         def job() -> int:
             for entry, src_runs in items:

@@ -33,9 +33,20 @@ class DirectoryInUse(RuntimeError):
 OWNER_NAME = "instance"
 
 
+def make_state_dir(directory: Path, mode: int) -> None:
+    """Create ``directory`` (and missing parents) with ``mode`` and narrow it to ``mode`` if it
+    exists with more: it holds chunk data and an index of tenants, namespaces and prefix hashes."""
+    directory.mkdir(mode=mode, parents=True, exist_ok=True)
+    current = directory.stat().st_mode & 0o777
+    if current != mode:
+        log.warning("state directory %s had mode %o; set to %o", directory, current, mode)
+        directory.chmod(mode)
+
+
 def lock_directory(directory: Path) -> int:
     """Hold an exclusive lock on ``directory`` so two daemons never share one NVMe tier."""
     fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -97,6 +108,7 @@ class DataFile:
         self.direct = direct
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         self.fd = os.open(self.path, flags, 0o600)
+        os.fchmod(self.fd, 0o600)  # the chunks' bytes: the daemon's alone (an older file narrowed)
         size = self.num_pages * page_bytes
         if os.fstat(self.fd).st_size != size:
             os.ftruncate(self.fd, size)

@@ -32,6 +32,7 @@ class Session:
         self.raw = RawClient(address, timeout_s=timeout_s)
         self.staging = staging
         spec = staging.hello_staging(address) if staging is not None else {"kind": "inline"}
+        extra.setdefault("world_size", rank + 1)
         reply, _ = self.raw.request(Op.HELLO, namespace=namespace, rank=rank,
                                     fingerprint=fingerprint, staging=spec, **extra)
         assert reply["name"] == "OK", reply

@@ -23,6 +23,6 @@ def cuda_ipc_hello(address: str, spec: dict, namespace: str = "standin") -> tupl
     with ``spec``; its reply (OK or the refusal)."""
     staging = {**spec, "ticket": ticket(address, "cuda_ipc", spec["nbytes"])}
     raw = RawClient(address)
-    reply, _ = raw.request(Op.HELLO, namespace=namespace, rank=0, fingerprint="fp-standin",
+    reply, _ = raw.request(Op.HELLO, namespace=namespace, rank=0, world_size=1, fingerprint="fp-standin",
                            staging=staging)
     return raw, reply

@@ -11,6 +11,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Iterable
 
+from helpers.handshake import ticket
 from helpers.raw import RawClient
 from helpers.wait import wait_for  # noqa: F401  (re-exported for the NVMe tests)
 
@@ -34,8 +35,11 @@ class InlineSession:
     def __init__(self, address: str, namespace: str = "nvme", fingerprint: str = "fp-nvme",
                  rank: int = 0, timeout_s: float = 30.0) -> None:
         self.raw = RawClient(address, timeout_s=timeout_s)
-        rep, _ = self.raw.request(Op.HELLO, namespace=namespace, rank=rank,
-                                  fingerprint=fingerprint, staging={"kind": "inline"})
+        # The inline ticket carries our credentials: the same tenant (uid) as a KVTierClient of
+        # this process, whose chunks these sessions read back.
+        staging = {"kind": "inline", "ticket": ticket(address, "inline")}
+        rep, _ = self.raw.request(Op.HELLO, namespace=namespace, rank=rank, world_size=rank + 1,
+                                  fingerprint=fingerprint, staging=staging)
         assert rep["status"] == Status.OK, rep
         self.session = rep["session"]
 

@@ -18,7 +18,7 @@ from kvtierd.protocol import Op
 
 pytestmark = pytest.mark.timeout(60)
 
-INLINE_HELLO = dict(rank=0, fingerprint="fp-admin", staging={"kind": "inline"})
+INLINE_HELLO = dict(rank=0, world_size=1, fingerprint="fp-admin", staging={"kind": "inline"})
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:

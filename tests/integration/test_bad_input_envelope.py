@@ -126,7 +126,7 @@ def test_ops_before_hello_need_a_session(shared, memfd, op, fields):
 
 # -- HELLO -----------------------------------------------------------------------------------------
 def _hello_fields(**overrides: Any) -> dict:
-    fields = {"namespace": namespace(), "rank": 0, "fingerprint": "fp-a",
+    fields = {"namespace": namespace(), "rank": 0, "world_size": 1, "fingerprint": "fp-a",
               "staging": {"kind": "inline"}}
     for key, value in overrides.items():
         if value is _DROP:
@@ -147,7 +147,27 @@ def _assert_no_session(raw: RawClient) -> None:
 HELLO_BAD_FIELDS = {
     # name: (overrides, fragments of the message)
     "rank-str": ({"rank": "0"}, ["'rank'", "'0'"]),
-    "rank-negative": ({"rank": -1}, ["rank -1", ">= 0"]),
+    "rank-negative": ({"rank": -1}, ["'rank' is -1", "0..0"]),
+    # The attack: rank = 2**63 reached SQLite and poisoned the NVMe index connection.
+    "rank-2**63": ({"rank": 2**63, "world_size": 4096}, ["'rank'", str(2**63), "0..4095"]),
+    "rank-2**64-1": ({"rank": 2**64 - 1}, ["'rank'", str(2**64 - 1)]),
+    "rank-equals-world-size": ({"rank": 4, "world_size": 4}, ["'rank' is 4", "0..3"]),
+    "world-size-0": ({"world_size": 0}, ["'world_size' is 0", "1..4096"]),
+    "world-size-4097": ({"world_size": 4097}, ["'world_size' is 4097", "1..4096"]),
+    "world-size-negative": ({"world_size": -1}, ["'world_size' is -1", "1..4096"]),
+    "world-size-missing": ({"world_size": _DROP}, ["'world_size'", "missing"]),
+    "world-size-bool": ({"world_size": True}, ["'world_size'", "True"]),
+    "world-size-str": ({"world_size": "2"}, ["'world_size'", "'2'"]),
+    "fingerprint-long": ({"fingerprint": "f" * 129}, ["fingerprint", "129", "1..128"]),
+    "fingerprint-huge": ({"fingerprint": "f" * 500_000}, ["fingerprint", "1..128"]),
+    "namespace-huge": ({"namespace": "n" * 500_000}, ["namespace", "1..256"]),
+    "client-not-map": ({"client": [1, 2]}, ["'client'", "a map"]),
+    "client-deep": ({"client": {"a": {"b": {"c": 1}}}}, ["'client'", "deeper than 2"]),
+    "client-many": ({"client": {f"k{i}": i for i in range(33)}}, ["'client'", "32 entries"]),
+    "client-many-nested": ({"client": {"a": list(range(40))}}, ["'client'", "32 entries"]),
+    "client-long-string": ({"client": {"lib": "x" * 257}}, ["'client'", "257", "<= 256"]),
+    "client-long-key": ({"client": {"k" * 300: 1}}, ["'client'", "key"]),
+    "client-huge-int": ({"client": {"pid": 2**64 - 1}}, ["'client'", "64 bits"]),
     "rank-bool": ({"rank": True}, ["'rank'", "True"]),
     "rank-float": ({"rank": 0.0}, ["'rank'", "0.0"]),
     "rank-missing": ({"rank": _DROP}, ["'rank'", "missing"]),

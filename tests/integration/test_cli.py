@@ -151,7 +151,7 @@ def _traffic(address: str) -> None:
     """One stored chunk; LOOKUP 1 hit + 1 miss; GET 1 hit + 3 misses."""
     raw = RawClient(address)
     try:
-        reply, _ = raw.request(Op.HELLO, namespace="cli", rank=0, fingerprint="fp-a",
+        reply, _ = raw.request(Op.HELLO, namespace="cli", rank=0, world_size=1, fingerprint="fp-a",
                                staging={"kind": "inline"})
         assert reply["name"] == "OK", reply
         reply, _ = raw.request(Op.PUT, [b"x" * 1000], items=[[b"k", 0, 1000]])

@@ -174,7 +174,7 @@ def test_hello_spam_past_max_sessions_is_busy(daemon_factory, tmp_path):
     first, second = Session(d.address, namespace()), Session(d.address, namespace())
     spam = RawClient(d.address)
     try:
-        hello = dict(namespace=namespace(), rank=0, fingerprint="fp", staging={"kind": "inline"})
+        hello = dict(namespace=namespace(), rank=0, world_size=1, fingerprint="fp", staging={"kind": "inline"})
         for _ in range(3):
             reply, _ = spam.request(Op.HELLO, **hello)
             assert reply["name"] == "BUSY", reply

@@ -180,7 +180,7 @@ class _Staging:
         self.nbytes = nbytes
 
     def hello(self, raw: RawClient, address: str) -> None:
-        rep, _ = raw.request(Op.HELLO, namespace="doomed", rank=0, fingerprint="fp",
+        rep, _ = raw.request(Op.HELLO, namespace="doomed", rank=0, world_size=1, fingerprint="fp",
                              staging=self.buf.hello_staging(address))
         assert rep["status"] == Status.OK, rep
 

@@ -58,6 +58,7 @@ def mostly(right: st.SearchStrategy, wrong: st.SearchStrategy) -> st.SearchStrat
 FIELDS = {
     Op.HELLO: {"namespace": mostly(st.sampled_from(["fz-a", "fz-b"]), values),
                "rank": mostly(st.integers(0, 3), st.one_of(ints, values)),
+               "world_size": mostly(st.just(4), st.one_of(ints, values)),
                "fingerprint": mostly(st.sampled_from(["fp-fuzz", "fp-other"]), values),
                "staging": mostly(st.just({"kind": "inline"}), staging), "token": values,
                "client": values},
@@ -88,7 +89,7 @@ anything = st.fixed_dictionaries(
 packed = lambda strategy: strategy.map(lambda v: msgpack.packb(v, use_bin_type=True))  # noqa: E731
 good_hello = st.fixed_dictionaries(  # so that most peers have a session most of the time
     {"v": st.just(PROTOCOL_VERSION), "op": st.just(int(Op.HELLO)), "id": st.integers(1, 2**40),
-     "namespace": st.sampled_from(["fz-a", "fz-b"]), "rank": st.integers(0, 3),
+     "namespace": st.sampled_from(["fz-a", "fz-b"]), "rank": st.integers(0, 3), "world_size": st.just(4),
      "fingerprint": st.sampled_from(["fp-fuzz", "fp-other"]),
      "staging": st.just({"kind": "inline"})})
 header = st.one_of(packed(good_hello), packed(well_formed), packed(well_formed),

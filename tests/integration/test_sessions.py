@@ -27,7 +27,7 @@ from helpers.kv import (
     random_tokens,
     simple_layout,
 )
-from helpers.handshake import MemfdBuffer
+from helpers.handshake import MemfdBuffer, ticket
 from helpers.raw import RawClient
 
 from kvtier_client import KVTierClient
@@ -164,7 +164,7 @@ def test_put_abandoned_by_bye_is_aborted_and_never_visible(daemon):
     buf = filled_memfd(chunk * count)
     raw, reader = RawClient(daemon.address), RawClient(daemon.address)
     try:
-        rep, _ = raw.request(Op.HELLO, namespace="abandon", rank=0, fingerprint="fp",
+        rep, _ = raw.request(Op.HELLO, namespace="abandon", rank=0, world_size=1, fingerprint="fp",
                              staging=buf.hello_staging(daemon.address))
         assert rep["status"] == Status.OK, rep
         keys = [b"abandoned-%d" % i for i in range(count)]
@@ -179,8 +179,10 @@ def test_put_abandoned_by_bye_is_aborted_and_never_visible(daemon):
         assert cpu["aborts"] - before.get("aborts", 0) == len(aborted), (cpu, results)
         assert cpu["chunks"] - before["chunks"] == count - len(aborted), (cpu, results)
         assert cpu["used_bytes"] == cpu["committed_bytes"]
-        rep, _ = reader.request(Op.HELLO, namespace="abandon", rank=0, fingerprint="fp",
-                                staging={"kind": "inline"})
+        # An inline ticket: the reader is in the writer's tenant (uid), so a miss means something.
+        rep, _ = reader.request(Op.HELLO, namespace="abandon", rank=0, world_size=1, fingerprint="fp",
+                                staging={"kind": "inline", "ticket": ticket(daemon.address, "inline")})
+        assert rep["status"] == Status.OK, rep
         assert lookup(reader, keys) == [0 if r == Status.NO_SESSION else int(Tier.CPU)
                                         for r in results], "an abandoned PUT became visible"
         assert daemon.stats()["sessions"] == 1
@@ -196,7 +198,7 @@ def test_put_pipelined_before_bye_still_gets_a_reply(daemon):
     buf = filled_memfd(chunk * count)
     raw = RawClient(daemon.address, timeout_s=3)
     try:
-        rep, _ = raw.request(Op.HELLO, namespace="pipelined", rank=0, fingerprint="fp",
+        rep, _ = raw.request(Op.HELLO, namespace="pipelined", rank=0, world_size=1, fingerprint="fp",
                              staging=buf.hello_staging(daemon.address))
         assert rep["status"] == Status.OK, rep
         results = put_then_bye(raw, [[b"k%d" % i, i * chunk, chunk] for i in range(count)])[
@@ -207,8 +209,11 @@ def test_put_pipelined_before_bye_still_gets_a_reply(daemon):
     wait_for(lambda: daemon.cpu()["pending_chunks"] == 0, 10, "reservations settled")
     reader = RawClient(daemon.address)
     try:
-        reader.request(Op.HELLO, namespace="pipelined", rank=0, fingerprint="fp",
-                       staging={"kind": "inline"})
+        # An inline ticket: the reader is in the writer's tenant (uid), so its lookups mean something.
+        rep, _ = reader.request(Op.HELLO, namespace="pipelined", rank=0, world_size=1,
+                                fingerprint="fp",
+                                staging={"kind": "inline", "ticket": ticket(daemon.address, "inline")})
+        assert rep["status"] == Status.OK, rep
         stored = [Status.OK if t else Status.NO_SESSION
                   for t in lookup(reader, [b"k%d" % i for i in range(count)])]
         assert stored == results, "the reply and the index disagree on what was stored"
@@ -220,7 +225,7 @@ def test_put_pipelined_before_bye_still_gets_a_reply(daemon):
 # -- (b) a silent session is reaped and its leases released ----------------------------------------
 
 def hello(raw: RawClient, namespace: str = "raw", fingerprint: str = "fp-raw") -> int:
-    rep, _ = raw.request(Op.HELLO, namespace=namespace, rank=0, fingerprint=fingerprint,
+    rep, _ = raw.request(Op.HELLO, namespace=namespace, rank=0, world_size=1, fingerprint=fingerprint,
                          staging={"kind": "inline"})
     assert rep["status"] == Status.OK, rep
     return rep["session"]

@@ -54,7 +54,7 @@ def daemon_memfd_maps(d: DaemonProcess) -> list[str]:
 
 
 def hello(raw: RawClient, staging: dict) -> dict:
-    reply, _ = raw.request(Op.HELLO, namespace=namespace(), rank=0, fingerprint="fp",
+    reply, _ = raw.request(Op.HELLO, namespace=namespace(), rank=0, world_size=1, fingerprint="fp",
                            staging=staging)
     return reply
 

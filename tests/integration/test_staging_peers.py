@@ -116,12 +116,12 @@ os.setuid(uid)  # from here on this process is user B
 out = {"uid": os.getuid(),
        "a_names": [n for n in os.listdir("/dev/shm") if n.startswith("kvtier-") and a_pid in n]}
 raw = RawClient(address)
-reply, _ = raw.request(Op.HELLO, namespace="b", rank=0, fingerprint="fp",
+reply, _ = raw.request(Op.HELLO, namespace="b", rank=0, world_size=1, fingerprint="fp",
                        staging={"kind": "shm", "name": f"kvtier-stg-{a_pid}-x", "nbytes": 4096})
 out["shm_hello"] = [reply["name"], reply["message"]]
 buf = MemfdBuffer(65536)
 buf.write(0, os.urandom(8192))
-reply, _ = raw.request(Op.HELLO, namespace="b", rank=0, fingerprint="fp",
+reply, _ = raw.request(Op.HELLO, namespace="b", rank=0, world_size=1, fingerprint="fp",
                        staging=buf.hello_staging(address))
 out["own_hello"] = reply["name"]
 reply, _ = raw.request(Op.PUT, items=[[b"b-key", 0, 8192]])
@@ -238,4 +238,6 @@ def test_scheduler_index_session_carries_the_same_credentials(daemon):
     finally:
         index.close()
     me = f"peer uid {os.getuid()} gid {os.getgid()} pid {os.getpid()}"
-    assert f"namespace idx rank 0 staging inline {me}" in daemon.log(), daemon.log()
+    # ... and so the same tenant as the workers of its uid
+    assert (f"tenant uid:{os.getuid()} (uid {os.getuid()}) namespace idx rank 0/1 staging inline "
+            f"{me}") in daemon.log(), daemon.log()

@@ -222,3 +222,71 @@ def test_handshake_socket_sits_beside_the_ipc_socket_or_in_the_runtime_dir(tmp_p
     cfg = load_config(env={"KVTIERD_HANDSHAKE_SOCKET": f"{tmp_path}/hs",
                            "KVTIERD_SOCKET_MODE": "0600"}, overrides={})
     assert cfg.handshake_path == tmp_path / "hs" and cfg.socket_mode_bits == 0o600
+
+
+# -- tenants ---------------------------------------------------------------------------------------
+
+TENANTS = """\
+tenant_max_bytes = "1GiB"
+[tenants.team-a]
+uids = [1001, 1002]
+gids = [3000]
+tokens = ["s3cret"]
+max_bytes = "16GiB"
+[tenants.ops]
+gids = [4000]
+max_bytes = 0
+"""
+
+
+def test_tenants_table_becomes_frozen_tenant_configs(tmp_path):
+    from kvtierd.config import TenantConfig
+
+    cfg = load_config(write_toml(tmp_path, TENANTS), env={})
+    assert cfg.tenants == (
+        TenantConfig("team-a", (1001, 1002), (3000,), ("s3cret",), 16 * 1024**3),
+        TenantConfig("ops", (), (4000,), (), 0),
+    )
+    assert cfg.tenant_max_bytes == 1024**3
+    public = cfg.public_dict()
+    assert public["tenants"][0]["tokens"] == ["***"] and "s3cret" not in repr(public)
+    with pytest.raises(Exception):
+        cfg.tenants[0].uids = ()  # frozen
+
+
+def test_tenants_inside_the_kvtierd_table(tmp_path):
+    cfg = load_config(write_toml(tmp_path, '[kvtierd.tenants.t1]\nuids = [5]\n'), env={})
+    assert cfg.tenants[0].name == "t1" and cfg.tenants[0].max_bytes is None
+
+
+@pytest.mark.parametrize("text, key, value", [
+    ('[tenants.a]\nuids = [1]\n[tenants.b]\nuids = [1]\n', "tenants.b.uids", "tenants.a"),
+    ('[tenants.a]\ngids = [7]\n[tenants.b]\ngids = [7]\n', "tenants.b.gids", "7"),
+    ('[tenants.a]\ntokens = ["t"]\n[tenants.b]\ntokens = ["t"]\n', "tenants.b.tokens", "***"),
+    ('[tenants.a]\nuids = [-1]\n', "tenants.a.uids", "-1"),
+    ('[tenants.a]\nuids = [4294967296]\n', "tenants.a.uids", "4294967296"),
+    ('[tenants.a]\nuids = "1001"\n', "tenants.a.uids", "1001"),
+    ('[tenants.a]\ntokens = [""]\n', "tenants.a.tokens", "***"),
+    ('[tenants.a]\nuids = [1]\nmax_bytes = "lots"\n', "tenants.a.max_bytes", "lots"),
+    ('[tenants.a]\nuids = [1]\ncolour = "red"\n', "tenants.a.colour", "red"),
+    ('[tenants.a]\n', "tenants.a", "at least one of"),
+    ('[tenants.anonymous]\nuids = [1]\n', "tenants.anonymous", "anonymous"),
+    ('[tenants.other]\nuids = [1]\n', "tenants.other", "other"),
+    ('[tenants."uid:5"]\nuids = [1]\n', "tenants.uid:5", "uid:5"),
+    ('tenants = 3\n', "tenants", "3"),
+    ('state_dir_mode = "0777"\n', "state_dir_mode", "0777"),
+])
+def test_bad_tenants_name_key_and_value(tmp_path, text, key, value):
+    err = refused(key, value, path=write_toml(tmp_path, text))
+    assert "s3cret" not in str(err)
+
+
+def test_tenants_only_from_the_file():
+    refused("KVTIERD_TENANTS", "x", env={"KVTIERD_TENANTS": "x"})
+    refused("tenants", "x", overrides={"tenants": "x"})
+
+
+def test_token_of_a_tenant_is_not_shown_in_errors(tmp_path):
+    text = '[tenants.a]\ntokens = ["hunter2"]\n[tenants.b]\ntokens = ["hunter2"]\n'
+    err = refused("tenants.b.tokens", "***", path=write_toml(tmp_path, text))
+    assert "hunter2" not in str(err)

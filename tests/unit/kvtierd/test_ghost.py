@@ -42,7 +42,7 @@ def trace(rng: random.Random, n: int, keys: int, hot: int = 0):
         key = rng.randrange(hot) if hot and rng.random() < 0.5 else rng.randrange(keys)
         r = rng.random()
         op = "access" if r < 0.6 else "insert" if r < 0.97 else "remove"
-        yield op, (("model", 0), key.to_bytes(8, "little")), 1 + key % 5
+        yield op, (("uid:0", "model", 0), key.to_bytes(8, "little")), 1 + key % 5
 
 
 @pytest.mark.parametrize("capacity_pages", [1, 7, 40, 200])
@@ -99,7 +99,7 @@ def test_a_get_touch_refreshes_recency_without_counting_an_access():
     """A LOOKUP counts the chunk request; the GET that loads it must not count it again (hit
     ratios would read high), but it is a read the real LRU sees, so it keeps the key warm."""
     ghosts = GhostCaches([("cpu", 2 * PAGE)], PAGE, scales=(2,))  # the 2x ghost holds 4 pages
-    keys = [(("ns", 0), bytes([k]) * 8) for k in range(5)]
+    keys = [(("uid:0", "ns", 0), bytes([k]) * 8) for k in range(5)]
     for ikey in keys[:4]:
         ghosts.insert(ikey, PAGE)
     ghosts.touch(keys[0])  # now the most recent: the next insert evicts keys[1] instead
@@ -131,7 +131,7 @@ def test_large_tiers_are_sampled_and_estimate_the_exact_hit_ratio():
     zipf = [1 / (k + 1) ** 0.6 for k in range(60000)]
     keys = rng.choices(range(60000), weights=zipf, k=100000)
     for key in keys:
-        ikey = (("m", 0), key.to_bytes(4, "little"))
+        ikey = (("uid:0", "m", 0), key.to_bytes(4, "little"))
         for ghosts in (exact, sampled):
             ghosts.access(ikey, None)
             ghosts.insert(ikey, PAGE)
@@ -149,7 +149,7 @@ def test_memory_per_key_is_what_the_docs_say():
     """The README and kvtierd.ghost promise about 140 bytes a key; fail well before 2x that."""
     ghost = GhostLRU(1 << 40, PAGE)
     rng = random.Random(1)
-    keys = [GhostCaches.key((("m", 0), rng.randbytes(16))) for _ in range(50000)]
+    keys = [GhostCaches.key((("uid:0", "m", 0), rng.randbytes(16))) for _ in range(50000)]
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]

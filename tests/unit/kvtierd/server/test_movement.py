@@ -19,7 +19,7 @@ from kvtierd.tiers.cpu import CpuTier
 from kvtierd.tiers.nvme import NvmeTier
 
 PAGE = 64 * 1024
-SPACE = ("ns", 0)
+SPACE = ("uid:1000", "ns", 0)  # (tenant, namespace, rank)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from kvtierd.tiers.cpu import CpuTier
 
 PAGE = 4096
 PAGES = 16
-SPACE = ("ns", 0)
+SPACE = ("uid:1000", "ns", 0)  # (tenant, namespace, rank)
 
 
 @pytest.fixture
@@ -282,3 +282,53 @@ def test_random_workload_serves_only_right_bytes(arena, seed):
     for entry, how in held.values():
         tier.unpin(entry) if how == "pin" else tier.release(entry)
     tier.check_invariants()
+
+
+# -- tenants and quotas ----------------------------------------------------------------------------
+
+def test_quota_evicts_the_tenants_own_coldest_chunks_never_another_tenants(arena, evicted):
+    quotas = {"small": 4, "big": 0}  # pages; 0 = no quota
+    tier = CpuTier(arena, PAGE, on_evict=lambda e: evicted.append(e.ikey),
+                   quota_pages=lambda t: quotas.get(t, 0))
+    rng = random.Random(7)
+
+    def put_as(tenant, key, pages):
+        status, entry = tier.reserve(((tenant, "ns", 0), key), "fp", pages * PAGE, owner=1)
+        if entry is not None:
+            write(tier, entry, rng.randbytes(pages * PAGE))
+            tier.commit(entry, b"sum")
+        return status
+
+    assert put_as("big", b"b0", 2) is Status.OK and put_as("big", b"b1", 2) is Status.OK
+    assert put_as("small", b"s0", 2) is Status.OK and put_as("small", b"s1", 2) is Status.OK
+    assert tier.tenant_used_pages("small") == 4 and tier.tenant_used_pages("big") == 4
+    tier.check_invariants()
+    assert put_as("small", b"s2", 2) is Status.OK  # over its quota: its own coldest goes
+    assert evicted == [(("small", "ns", 0), b"s0")]
+    assert put_as("small", b"s3", 5) is Status.QUOTA_EXCEEDED  # larger than the quota itself
+    _, s1 = tier.lookup((("small", "ns", 0), b"s1"), "fp")
+    _, s2 = tier.lookup((("small", "ns", 0), b"s2"), "fp")
+    tier.pin(s1)
+    tier.pin(s2)  # nothing of its own is evictable now
+    assert put_as("small", b"s4", 1) is Status.QUOTA_EXCEEDED
+    assert evicted == [(("small", "ns", 0), b"s0")], "another tenant's chunk was evicted"
+    assert tier.quota_rejections["small"] == 2
+    stats = tier.tenant_stats()
+    assert stats["small"] == {"used_bytes": 4 * PAGE, "quota_bytes": 4 * PAGE,
+                              "quota_rejections": 2}
+    assert stats["big"]["used_bytes"] == 4 * PAGE
+    tier.check_invariants()
+    tier.unpin(s1)
+    tier.unpin(s2)
+    assert put_as("big", b"b2", 7) is Status.OK  # no quota: the whole free tier
+    tier.check_invariants()
+    assert tier.delete((("big", "ns", 0), b"b0")) is Status.OK
+    tier.check_invariants()
+
+
+def test_invariants_catch_drifted_tenant_accounting(tier):
+    put(tier, b"a", PAGE, random.Random(3))
+    tier.tenant_pages["uid:1000"] += 1
+    with pytest.raises(AssertionError, match="per-tenant pages drifted"):
+        tier.check_invariants()
+    tier.tenant_pages["uid:1000"] -= 1

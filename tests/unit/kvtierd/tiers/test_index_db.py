@@ -19,10 +19,10 @@ META = {"page_bytes": "4096", "nvme_bytes": "1048576"}
 
 
 def row(key: bytes, runs=((0, 1),), *, ns: str = "ns", rank: int = 0, fp: str = "fp",
-        nbytes: int | None = None) -> IndexRow:
+        nbytes: int | None = None, tenant: str = "uid:1000") -> IndexRow:
     runs = [tuple(r) for r in runs]
     pages = sum(c for _, c in runs)
-    return IndexRow(ns, rank, key, fp, nbytes if nbytes is not None else pages * 4096 - 7,
+    return IndexRow(tenant, ns, rank, key, fp, nbytes if nbytes is not None else pages * 4096 - 7,
                     os.urandom(16), runs)
 
 
@@ -58,14 +58,17 @@ def test_insert_rows_delete_round_trip(path):
     assert db.reset_reason == "" and db.count() == 0 and list(db.rows()) == []
     a, b = row(b"a", [(0, 2)]), row(b"\x00\xffbin", [(7, 1), (3, 2)], ns="other", rank=3)
     c = row(b"a", [(9, 1)], rank=1)  # same key, other rank: another chunk
+    d = row(b"a", [(11, 1)], tenant="team-b")  # same key and space, other tenant: another chunk
     db.insert([a, b])
-    db.insert([c])
-    assert db.count() == 3
+    db.insert([c, d])
+    assert db.count() == 4
     got = all_rows(db)
-    assert got == {a.ikey: a, b.ikey: b, c.ikey: c}
+    assert got == {a.ikey: a, b.ikey: b, c.ikey: c, d.ikey: d}
+    assert a.ikey == (("uid:1000", "ns", 0), b"a") and d.ikey[0][0] == "team-b"
+    db.delete([d.ikey])
     assert got[b.ikey].runs == [(7, 1), (3, 2)]  # payload order, not sorted
     assert isinstance(got[b.ikey].key, bytes) and isinstance(got[b.ikey].checksum, bytes)
-    db.delete([a.ikey, (("nope", 0), b"x")])  # an absent key is no error
+    db.delete([a.ikey, (("t", "nope", 0), b"x")])  # an absent key is no error
     assert all_rows(db) == {b.ikey: b, c.ikey: c}
     db.close()
     db = ChunkIndexDB(path, META)  # and it is all on disk
@@ -154,7 +157,7 @@ import os, signal, sys
 from pathlib import Path
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
 db = ChunkIndexDB(Path(sys.argv[1]), {"page_bytes": "4096", "nvme_bytes": "1048576"})
-db.insert([IndexRow("ns", 0, b"durable", "fp", 4000, b"c" * 16, [(3, 1)])])
+db.insert([IndexRow("uid:0", "ns", 0, b"durable", "fp", 4000, b"c" * 16, [(3, 1)])])
 if sys.argv[2] == "exit":
     os._exit(0)  # no close, no checkpoint, no atexit
 print("inserted", flush=True)
@@ -187,3 +190,95 @@ def test_committed_row_survives_the_process_dying(path, how):
     assert [(r.key, r.runs, r.nbytes, r.checksum) for r in rows] == \
         [(b"durable", [(3, 1)], 4000, b"c" * 16)]
     db.close()
+
+
+# -- transactions ----------------------------------------------------------------------------------
+
+def _still_writable(db: ChunkIndexDB) -> None:
+    """The connection is out of any transaction: insert and delete work, nothing half-written."""
+    assert not db._db.in_transaction
+    ok = row(b"after", [(40, 1)])
+    db.insert([ok])
+    assert all_rows(db)[ok.ikey] == ok
+    db.delete([ok.ikey])
+    assert ok.ikey not in all_rows(db)
+
+
+def test_regression_unbindable_rank_rolls_back_and_the_next_write_works(path):
+    """The HELLO rank = 2**63 attack: sqlite3 raised OverflowError after BEGIN and the connection
+    stayed inside the transaction, so every later write failed for every namespace."""
+    db = ChunkIndexDB(path, META)
+    kept = row(b"kept", [(1, 1)])
+    db.insert([kept])
+    with pytest.raises(OverflowError):
+        db.insert([row(b"first", [(2, 1)]), row(b"huge", [(3, 1)], rank=2**63)])
+    assert all_rows(db) == {kept.ikey: kept}  # the row before the bad one was rolled back
+    _still_writable(db)
+    with pytest.raises(OverflowError):
+        db.delete([kept.ikey, (("t", "ns", 2**63), b"k")])
+    assert all_rows(db) == {kept.ikey: kept}  # the delete before the bad key was rolled back
+    _still_writable(db)
+    db.close()
+
+
+def test_exception_from_the_rows_iterator_rolls_back(path):
+    db = ChunkIndexDB(path, META)
+    good = [row(b"g%d" % i, [(i, 1)]) for i in range(3)]
+
+    def rows_then_fail():
+        yield from good
+        raise RuntimeError("injected mid-transaction")
+
+    with pytest.raises(RuntimeError, match="injected"):
+        db.insert(rows_then_fail())
+    assert db.count() == 0
+    _still_writable(db)
+
+    def keys_then_fail():
+        yield good[0].ikey
+        raise KeyError("injected")
+
+    db.insert(good)
+    with pytest.raises(KeyError):
+        db.delete(keys_then_fail())
+    assert db.count() == 3  # the first delete was rolled back
+    _still_writable(db)
+    db.close()
+
+
+# -- schema and files ------------------------------------------------------------------------------
+
+def test_schema_1_index_is_reset_with_its_reason(path):
+    old = sqlite3.connect(path)
+    old.execute("CREATE TABLE meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
+    old.execute("CREATE TABLE chunks (namespace TEXT NOT NULL, rank INTEGER NOT NULL, key BLOB NOT"
+                " NULL, fingerprint TEXT NOT NULL, nbytes INTEGER NOT NULL, checksum BLOB NOT NULL,"
+                " runs BLOB NOT NULL, PRIMARY KEY (namespace, rank, key))")
+    old.executemany("INSERT INTO meta VALUES (?, ?)", {"schema": "1", **META}.items())
+    old.execute("INSERT INTO chunks VALUES ('ns', 0, x'01', 'fp', 10, x'00', x'')")
+    old.commit()
+    old.close()
+    db = ChunkIndexDB(path, META)
+    assert "schema: '1' -> '2'" in db.reset_reason
+    assert db.count() == 0
+    new = row(b"new")
+    db.insert([new])  # the table has the tenant column now
+    assert all_rows(db) == {new.ikey: new}
+    db.close()
+
+
+def test_index_files_are_0600_whatever_the_umask(path):
+    before = os.umask(0o000)
+    try:
+        db = ChunkIndexDB(path, META)
+        db.insert([row(b"k")])
+        files = [path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")]
+        assert all(f.exists() for f in files)
+        assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == \
+            {f.name: "0o600" for f in files}
+        db.close()
+        path.chmod(0o644)  # an index of an older version: narrowed on open
+        ChunkIndexDB(path, META).close()
+        assert path.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(before)

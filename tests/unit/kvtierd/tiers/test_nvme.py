@@ -30,7 +30,7 @@ from kvtierd.tiers.nvme_file import (
 PAGE = 4096
 NVME_PAGES = 32
 ARENA_PAGES = 64
-SPACE = ("ns", 0)
+SPACE = ("uid:1000", "ns", 0)  # (tenant, namespace, rank)
 POISON = 0xAB
 
 
@@ -383,9 +383,9 @@ def test_recovery_drops_rows_that_name_impossible_pages(tiers, arena, arena_page
     good, data = put(tier, arena, arena_pages, b"good", 2 * PAGE)
     tiers.close(tier)
     write_rows(nvme_dir, [
-        IndexRow("ns", 0, b"past-the-end", "fp", PAGE, b"s" * 16, [(NVME_PAGES - 1, 2)]),
-        IndexRow("ns", 0, b"too-few-pages", "fp", 3 * PAGE, b"s" * 16, [(10, 2)]),
-        IndexRow("ns", 0, b"too-many-pages", "fp", PAGE, b"s" * 16, [(20, 2)]),
+        IndexRow("uid:1000", "ns", 0, b"past-the-end", "fp", PAGE, b"s" * 16, [(NVME_PAGES - 1, 2)]),
+        IndexRow("uid:1000", "ns", 0, b"too-few-pages", "fp", 3 * PAGE, b"s" * 16, [(10, 2)]),
+        IndexRow("uid:1000", "ns", 0, b"too-many-pages", "fp", PAGE, b"s" * 16, [(20, 2)]),
     ])
     with caplog.at_level(logging.WARNING, logger="kvtierd.tiers.nvme"):
         tier = tiers()
@@ -401,7 +401,7 @@ def test_recovery_drops_everything_when_rows_overlap(tiers, arena, arena_pages, 
     tier = tiers()
     put(tier, arena, arena_pages, b"a", 2 * PAGE)
     tiers.close(tier)
-    write_rows(nvme_dir, [IndexRow("ns", 0, b"b", "fp", 2 * PAGE, b"s" * 16, [(1, 2)])])
+    write_rows(nvme_dir, [IndexRow("uid:1000", "ns", 0, b"b", "fp", 2 * PAGE, b"s" * 16, [(1, 2)])])
     with caplog.at_level(logging.ERROR, logger="kvtierd.tiers.nvme"):
         tier = tiers()
     tier.check_invariants()
@@ -414,7 +414,7 @@ def test_recovery_drops_only_the_row_with_an_empty_run(tiers, arena, arena_pages
     tier = tiers()
     good, _ = put(tier, arena, arena_pages, b"good", 2 * PAGE)
     tiers.close(tier)
-    write_rows(nvme_dir, [IndexRow("ns", 0, b"empty-run", "fp", PAGE, b"s" * 16,
+    write_rows(nvme_dir, [IndexRow("uid:1000", "ns", 0, b"empty-run", "fp", PAGE, b"s" * 16,
                                    [(20, 0), (21, 1)])])
     tier = tiers()
     tier.check_invariants()
