@@ -98,7 +98,8 @@ class DaemonProcess:
     def stop_and_verify(self) -> None:
         """SIGTERM; the daemon must still be alive, pass CHECK, exit 0 and remove its arena."""
         if self.proc is None or self.proc.poll() is not None:
-            self._log.close()
+            if self.proc is not None:  # never started: no log file open
+                self._log.close()
             for path in self.shm_files():  # the test is over: no daemon will start on it again
                 path.unlink(missing_ok=True)
             return

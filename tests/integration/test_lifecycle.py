@@ -166,7 +166,7 @@ def test_another_daemon_on_the_same_nvme_dir_is_refused_and_never_wipes_it(tmp_p
         first.start()
         raw = RawClient(first.address)
         try:
-            reply, _ = raw.request(Op.HELLO, namespace="owner", rank=0, fingerprint="fp",
+            reply, _ = raw.request(Op.HELLO, namespace="owner", rank=0, world_size=1, fingerprint="fp",
                                    staging={"kind": "inline"})
             assert reply["name"] == "OK", reply
             reply, _ = raw.request(Op.PUT, [payload], items=[[b"kept", 0, len(payload)]])
@@ -181,7 +181,7 @@ def test_another_daemon_on_the_same_nvme_dir_is_refused_and_never_wipes_it(tmp_p
         first.restart()
         raw = RawClient(first.address)
         try:
-            raw.request(Op.HELLO, namespace="owner", rank=0, fingerprint="fp",
+            raw.request(Op.HELLO, namespace="owner", rank=0, world_size=1, fingerprint="fp",
                         staging={"kind": "inline"})
             reply, _ = raw.request(Op.LOOKUP, keys=[b"kept"])
             assert reply["tiers"] == [Tier.NVME], reply
