@@ -73,8 +73,15 @@ def claim_directory(directory: Path, instance: str) -> None:
             "it is meant to take that tier over")
     if owner != instance:
         tmp = directory / f".{OWNER_NAME}.tmp"
-        tmp.write_text(instance + "\n")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # like every file of the tier: the daemon's alone
+            os.write(fd, (instance + "\n").encode())
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
+    elif path.stat().st_mode & 0o077:
+        path.chmod(0o600)
 
 
 def probe_direct_io(directory: Path, page_bytes: int) -> bool:

@@ -98,7 +98,7 @@ def test_delete_of_bad_keys_answers_per_key(shared, memfd, sessions):
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["nvme", "nvme+cpu-persistent"])
 def test_regression_hello_rank_2_63_cannot_poison_the_index(daemon_factory, persistent):
-    flags = ("--cpu-persistent", "true") if persistent else ()
+    flags = ("--cpu-persistent",) if persistent else ()
     d = daemon_factory(*flags, cpu_bytes="2MiB", nvme_bytes="64MiB")
     with InlineSession(d.address, namespace="victim") as victim:
         _attack_and_survive(d, victim)

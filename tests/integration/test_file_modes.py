@@ -37,7 +37,7 @@ def fill(d) -> None:
 
 def test_files_are_private_whatever_the_umask(daemon_factory):
     with umask(0o000):
-        d = daemon_factory("--cpu-persistent", "true", cpu_bytes="2MiB")
+        d = daemon_factory("--cpu-persistent", cpu_bytes="2MiB")
     fill(d)
     nvme = d.workdir / "nvme"
     files = {p.name: mode(p) for p in nvme.iterdir() if p.name != ".direct-io-probe"}
