@@ -3,6 +3,12 @@ that clean up, and two module-scoped daemons (default and small limits)."""
 
 from __future__ import annotations
 
+import pwd
+import secrets
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -59,3 +65,35 @@ def limited(tmp_path_factory) -> Iterator[DaemonProcess]:
     yield d
     d.stop_and_verify()
     d.remove_nvme_data()
+
+
+@pytest.fixture
+def users() -> Iterator[Callable[[], pwd.struct_passwd]]:
+    """Factory of throwaway users (``useradd``, random ``kvt9`` names so parallel runs never
+    collide), each removed with its group at teardown."""
+    made: list[str] = []
+
+    def make() -> pwd.struct_passwd:
+        name = f"kvt9{secrets.token_hex(3)}"
+        subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True,
+                       capture_output=True)
+        made.append(name)
+        return pwd.getpwnam(name)
+
+    try:
+        yield make
+    finally:
+        for name in made:
+            subprocess.run(["userdel", "-r", name], capture_output=True)
+            subprocess.run(["groupdel", name], capture_output=True)
+
+
+@pytest.fixture
+def reachable_dir() -> Iterator[Path]:
+    """A directory other users may traverse (pytest's tmp dirs are private to root)."""
+    root = Path(tempfile.mkdtemp(prefix="kvt9-"))
+    root.chmod(0o711)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -7,16 +7,13 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import secrets
 import shutil
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -74,26 +71,8 @@ def test_live_session_has_no_staging_name_in_dev_shm(daemon):
 
 # -- another user ----------------------------------------------------------------------------------
 @pytest.fixture
-def user_b() -> Iterator[pwd.struct_passwd]:
-    name = f"kvt9{secrets.token_hex(3)}"
-    subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True,
-                   capture_output=True)
-    try:
-        yield pwd.getpwnam(name)
-    finally:
-        subprocess.run(["userdel", "-r", name], capture_output=True)
-        subprocess.run(["groupdel", name], capture_output=True)
-
-
-@pytest.fixture
-def reachable_dir() -> Iterator[Path]:
-    """A directory other users may traverse (pytest's tmp dirs are private to root)."""
-    root = Path(tempfile.mkdtemp(prefix="kvt9-"))
-    root.chmod(0o711)
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def user_b(users) -> pwd.struct_passwd:
+    return users()
 
 
 def _daemon(root: Path, mode: str) -> DaemonProcess:

@@ -9,14 +9,11 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 from helpers.daemon import DaemonProcess
@@ -107,36 +104,6 @@ for phase in plan["phases"]:
     phases.append(json.loads(data))
 print(json.dumps(phases))
 """
-
-
-@pytest.fixture
-def users() -> Iterator[Callable[[], pwd.struct_passwd]]:
-    made: list[str] = []
-
-    def make() -> pwd.struct_passwd:
-        name = f"kvt9{secrets.token_hex(3)}"
-        subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True,
-                       capture_output=True)
-        made.append(name)
-        return pwd.getpwnam(name)
-
-    try:
-        yield make
-    finally:
-        for name in made:
-            subprocess.run(["userdel", "-r", name], capture_output=True)
-            subprocess.run(["groupdel", name], capture_output=True)
-
-
-@pytest.fixture
-def reachable_dir() -> Iterator[Path]:
-    """A directory the users may traverse (pytest's tmp dirs are private to root)."""
-    root = Path(tempfile.mkdtemp(prefix="kvt9b-"))
-    root.chmod(0o711)
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def start(root: Path, name: str, config: str = "") -> DaemonProcess:
