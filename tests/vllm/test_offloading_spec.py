@@ -10,6 +10,20 @@ from __future__ import annotations
 
 import pytest
 
+# Round A computes its prefill while vLLM batches the two prompts as its scheduler sees fit; since
+# lookups answer asynchronously (RETRY for one step), A's batch composition depends on timing, and
+# bf16 prefill in another batch shape can move a logprob in the last digits (seen: ~1e-6 on Gemma-4
+# on a loaded CI machine, same tokens). Rounds that load from kvtierd (B, X) must agree with each
+# other bit for bit; against A they must give the same tokens and logprobs within this bound (the
+# neighbour-chunk control below still checks that a wrong chunk changes them).
+BATCH_NOISE = 1e-4
+
+
+def assert_close(got: list[list[float]], want: list[list[float]]) -> None:
+    assert [len(x) for x in got] == [len(x) for x in want]
+    worst = max(abs(g - w) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+    assert worst <= BATCH_NOISE, (worst, got, want)
+
 MODELS = ["llama", "gemma3", "gemma4"]
 pytestmark = [pytest.mark.vllm, pytest.mark.parametrize("scenario", MODELS, indirect=True)]
 
@@ -21,7 +35,7 @@ def test_round_b_takes_its_prefix_from_kvtierd_with_identical_tokens_and_logprob
     assert b["local_hits"] == 0, b
     assert all(n >= 512 for n in b["num_cached_tokens"]), b["num_cached_tokens"]
     assert b["tokens"] == a["tokens"]
-    assert b["logprobs"] == a["logprobs"]
+    assert_close(b["logprobs"], a["logprobs"])
 
 
 def test_loading_a_neighbouring_chunk_changes_the_logprobs(scenario):
@@ -35,7 +49,8 @@ def test_a_second_instance_hits_what_the_first_stored(scenario):
     assert x["external_hits"] > 0, x
     assert x["local_hits"] == 0, x
     assert x["tokens"] == a["tokens"]
-    assert x["logprobs"] == a["logprobs"]
+    assert_close(x["logprobs"], a["logprobs"])
+    assert x["logprobs"] == scenario.first["rounds"]["B"]["logprobs"]  # both loaded: bit for bit
 
 
 def test_each_group_is_chunked_by_its_own_tokens_per_block(scenario):
