@@ -20,6 +20,10 @@ The feed (from the request handlers, on the request loop, O(1) per key):
 * ``insert(ikey, nbytes)`` for every PUT item that was committed or already stored (``EXISTS``).
 * ``remove(ikey)`` for every deleted key.
 
+PUT and GET feed them once per batch (``insert_many`` / ``touch_many``: the keys of one session's
+key space, in item order), which is the same sequence of per-key updates without a Python call per
+key and ghost: at 16 KiB chunks the per-key calls were a fifth of the daemon's time per item.
+
 The hit ratio tier ``t`` would have at scale ``s`` is ``hits[t][s] / accesses[t]``; scale 1 is the
 real tier, measured on the same accesses, so the three numbers compare directly. Known optimism:
 ghosts are plain LRU filled to 100 %, while the real tier keeps leased chunks and evicts down to its
@@ -94,6 +98,31 @@ class GhostLRU:
         while self.used_pages > self.capacity_pages:
             _, freed = self._order.popitem(last=False)
             self.used_pages -= freed
+
+    def touch_many(self, keys: Iterable[int]) -> None:
+        """``access`` for each key, without counting: most recent if held."""
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
+
+    def insert_many(self, keys: Iterable[int], pages: Iterable[int]) -> None:
+        """``insert`` for each (key, pages), in order."""
+        order = self._order
+        capacity = self.capacity_pages
+        used = self.used_pages
+        for key, n in zip(keys, pages):
+            old = order.pop(key, None)
+            if old is not None:
+                used -= old
+            if n > capacity:
+                continue
+            order[key] = n
+            used += n
+            while used > capacity:
+                used -= order.popitem(last=False)[1]
+        self.used_pages = used
 
     def remove(self, key: int) -> None:
         pages = self._order.pop(key, None)
@@ -191,6 +220,40 @@ class GhostCaches:
             if tier.sampled(key):
                 for ghost in tier.ghosts.values():
                     ghost.insert(key, pages)
+
+    def keys_of(self, space: tuple[str, str, int], keys: Iterable[bytes]) -> list[int]:
+        """``key((space, k))`` for every ``k`` of one key space (the seed is computed once)."""
+        seed = _space_seed(*space)
+        digest = xxhash.xxh3_64_intdigest
+        return [digest(k, seed=seed) for k in keys]
+
+    def touch_many(self, space: tuple[str, str, int], keys: Sequence[bytes]) -> None:
+        """``touch`` for every key of one GET batch (one session's ``space``), in order."""
+        if not self.tiers or not keys:
+            return
+        hashed = self.keys_of(space, keys)
+        for tier in self.tiers:
+            sampled = hashed if tier.sample_ratio >= 1.0 else [
+                k for k in hashed if tier.sampled(k)]
+            for ghost in tier.ghosts.values():
+                ghost.touch_many(sampled)
+
+    def insert_many(self, space: tuple[str, str, int], keys: Sequence[bytes],
+                    nbytes: Sequence[int]) -> None:
+        """``insert`` for every (key, nbytes) of one PUT batch (one session's ``space``), in order."""
+        if not self.tiers or not keys:
+            return
+        hashed = self.keys_of(space, keys)
+        page = self.page_bytes
+        pages = [max(1, -(-n // page)) for n in nbytes]
+        for tier in self.tiers:
+            if tier.sample_ratio >= 1.0:
+                tier_keys, tier_pages = hashed, pages
+            else:
+                kept = [j for j, k in enumerate(hashed) if tier.sampled(k)]
+                tier_keys, tier_pages = [hashed[j] for j in kept], [pages[j] for j in kept]
+            for ghost in tier.ghosts.values():
+                ghost.insert_many(tier_keys, tier_pages)
 
     def remove(self, ikey: Hashable) -> None:
         key = self.key(ikey)

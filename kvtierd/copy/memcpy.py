@@ -16,6 +16,7 @@ import xxhash
 PIECE_BYTES = 256 * 1024  # measured best of 64 KiB..2 MiB here
 
 _memmove = ctypes.memmove
+_digest = xxhash.xxh3_128_digest  # one-shot: the same digest as the streaming hasher
 
 
 def copy_in(
@@ -27,6 +28,12 @@ def copy_in(
     ``segments`` are ``(offset, length)`` ranges of the destination in payload order;
     ``dst_view`` is the destination as a memoryview (for hashing without another copy).
     """
+    if len(segments) == 1 and segments[0][1] <= PIECE_BYTES:
+        # A small chunk in one run (most of them, below page-sized runs): one memmove and one
+        # one-shot hash, no hasher object; a third of the Python work per 16 KiB item.
+        offset, length = segments[0]
+        _memmove(dst_address + offset, src_address + src_offset, length)
+        return _digest(dst_view[offset : offset + length])
     hasher = xxhash.xxh3_128()
     pos = src_address + src_offset
     for offset, length in segments:
@@ -51,6 +58,9 @@ def copy_out(
 
 
 def checksum(view: memoryview, segments: list[tuple[int, int]]) -> bytes:
+    if len(segments) == 1:
+        offset, length = segments[0]
+        return _digest(view[offset : offset + length])
     hasher = xxhash.xxh3_128()
     for offset, length in segments:
         hasher.update(view[offset : offset + length])

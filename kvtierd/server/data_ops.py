@@ -10,6 +10,13 @@ GET: a CPU hit is acquired and copied arena → staging. An NVMe hit is first pr
 are reserved, the NVMe read fills and verifies them (checksum), the chunk is committed to the arena
 (``on_nvme``: its NVMe copy stays), then copied out like a CPU hit. Per-item outcomes go into
 ``results`` with a message per failure in ``errors``; one bad item never fails its neighbours.
+
+Cost per item is what limits small chunks (at 16 KiB a memcpy takes ~3 µs), so the per-item path
+does only what is per item — validate, reserve or look up, queue the copy — and everything else
+is done once per batch or per copy job: copies go out in jobs of a few MiB while later items are
+still being reserved (``kvtierd.server.batch``), a job's completion commits or releases its
+chunks in one pass, and metrics, hit accounting and the ghost feed are updated per job or per
+reply, with the same counts per scrape as per-item updates would give.
 """
 
 from __future__ import annotations
@@ -17,49 +24,26 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 from kvtierd.config import Config
-from kvtierd.copy import memcpy
-from kvtierd.cuda_health import CudaContextLost
+from kvtierd.copy import jobs as copy_jobs
 from kvtierd.copy.engine import CopyEngine
+from kvtierd.cuda_health import CudaContextLost
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
-from kvtierd.protocol import Op, ProtocolError, Status, Tier, reply
+from kvtierd.protocol import MAX_KEY_BYTES, Op, ProtocolError, Status, Tier, reply
 from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
+from kvtierd.server.batch import MAX_JOB_BYTES, Batch, JobQueue, job_bytes
 from kvtierd.server.movement import TierMover
+from kvtierd.server.refusals import reserve_message
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.tenants import TenantTable
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
 
 log = logging.getLogger(__name__)
-
-MAX_ERRORS = 32  # per reply; results still carry every item's status
-
-
-@dataclass(eq=False)
-class Batch:
-    """A PUT or GET whose jobs are in flight (or whose items wait for space)."""
-
-    session: Session
-    op: Op
-    request_id: Any
-    started: float
-    results: list[int]
-    errors: list[list]
-    out_frames: list[Any] = field(default_factory=list)  # inline GET payloads
-    jobs_left: int = 0
-    failed: set[int] = field(default_factory=set)  # item indices whose copy raised
-    deferred: bool = False  # the handler returned before the jobs completed
-    parked: list[tuple[int, Any, Any, Any]] = field(default_factory=list)  # PUT items awaiting space
-    frames: list = field(default_factory=list)  # inline PUT payloads
-    inline_bytes: int = 0  # of the session's max_inline_reply_bytes, what this GET's reply holds
-
-    @property
-    def done(self) -> bool:
-        return self.jobs_left == 0 and not self.parked
 
 
 class DataOps:
@@ -79,6 +63,8 @@ class DataOps:
         self.waiting: deque[Batch] = deque()  # PUTs with parked items, oldest first
         self._retrying = False
         mover.on_space = self.retry_parked
+        self._bytes_in = metrics.bytes.labels("in", "cpu")
+        self._bytes_out = metrics.bytes.labels("out", "cpu")
 
     # -- PUT -----------------------------------------------------------------------------------------
     def put(self, session: Session, header: dict, frames: list) -> dict | None:
@@ -86,41 +72,49 @@ class DataOps:
         batch = self._batch(session, Op.PUT, header)
         self._check_frames(session, items, frames)
         batch.frames = frames
-        jobs: list[tuple[int, ChunkEntry, Any]] = []
+        queue = self._queue(batch, job_bytes(items, self.cfg.copy_threads))
+        staging = session.staging
+        limit = staging.nbytes if staging is not None else -1  # inline: the checked path below
         for i, (key, offset, nbytes) in enumerate(items):
-            problem = self._item_problem(session, key, offset, nbytes, frames, i)
-            if problem is not None:
-                self._fail(batch, i, *problem)
-                continue
-            self._reserve_item(batch, jobs, i, key, offset, nbytes)
-        if batch.parked:
-            self.waiting.append(batch)
-        self._submit(batch, jobs, self._put_job)
-        return self._answer_now_or_later(batch)
+            # The common case in one expression; anything else gets its exact message below.
+            if not (type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES and type(nbytes) is int
+                    and type(offset) is int and 0 <= offset and 0 < nbytes
+                    and offset + nbytes <= limit):
+                problem = requests.item_problem(staging, key, offset, nbytes,
+                                                frames[i] if staging is None else None,
+                                                self.cfg.max_inline_bytes)
+                if problem is not None:
+                    batch.fail(i, *problem)
+                    continue
+            self._reserve_item(batch, queue, i, key, offset, nbytes)
+        return self._built(batch, queue)
 
-    def _reserve_item(self, batch: Batch, jobs: list, i: int, key: bytes, offset: Any,
+    def _reserve_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
                       nbytes: int) -> None:
         session = batch.session
-        ikey = session.ikey(key)
+        ikey = (session.space, key)
         nvme = self.mover.nvme
-        below = nvme.index.get(ikey) if nvme is not None else None
-        if below is not None and ikey not in self.tier.index:
-            status = self._existing_below(below, session.fingerprint, nbytes)
-            if status is Status.EXISTS:
-                self.ghosts.insert(ikey, nbytes)
-            self._fail(batch, i, status, self._reserve_message(status, nbytes, session.tenant))
-            return
+        if nvme is not None:
+            below = nvme.index.get(ikey)
+            if below is not None and ikey not in self.tier.index:
+                status = self._existing_below(below, session.fingerprint, nbytes)
+                if status is Status.EXISTS:
+                    batch.ghost_keys.append(key)
+                    batch.ghost_nbytes.append(nbytes)
+                batch.fail(i, status, self._reserve_message(status, nbytes, session.tenant))
+                return
         status, entry = self.tier.reserve(ikey, session.fingerprint, nbytes, session.id)
         if entry is None:
             if status is Status.EXISTS:
-                self.ghosts.insert(ikey, nbytes)
+                batch.ghost_keys.append(key)
+                batch.ghost_nbytes.append(nbytes)
             if status is Status.NO_SPACE and self.mover.space_coming():
                 batch.parked.append((i, key, offset, nbytes))
                 return
-            self._fail(batch, i, status, self._reserve_message(status, nbytes, session.tenant))
+            batch.fail(i, status, self._reserve_message(status, nbytes, session.tenant))
             return
         session.pending.add(entry)
-        jobs.append((i, entry, batch.frames[i] if session.staging is None else offset))
+        queue.add((i, entry, batch.frames[i] if session.staging is None else offset), nbytes)
 
     @staticmethod
     def _existing_below(entry: ChunkEntry, fingerprint: str, nbytes: int) -> Status:
@@ -144,19 +138,21 @@ class DataOps:
         while self.waiting:
             batch = self.waiting[0]
             parked, batch.parked = batch.parked, []
-            jobs: list = []
+            batch.building = True  # not answered from a completion while items are re-added
+            queue = self._queue(batch, MAX_JOB_BYTES)
             for n, (i, key, offset, nbytes) in enumerate(parked):
                 if batch.parked:  # an earlier item is still short of space: keep the order
                     batch.parked.extend(parked[n:])
                     break
                 if batch.session.closed:
-                    self._fail(batch, i, Status.NO_SESSION, "the session ended; not done")
+                    batch.fail(i, Status.NO_SESSION, "the session ended; not done")
                 elif batch.op is Op.PUT:
-                    self._reserve_item(batch, jobs, i, key, offset, nbytes)
+                    self._reserve_item(batch, queue, i, key, offset, nbytes)
                 else:
-                    self._get_item(batch, jobs, i, key, offset, nbytes)
-            self._submit(batch, jobs, self._put_job if batch.op is Op.PUT else self._get_job,
-                         extend=True)
+                    self._get_item(batch, queue, i, key, offset, nbytes)
+            queue.flush()
+            batch.building = False
+            self._feed_ghosts(batch)
             if batch.parked:
                 return  # still short of space: keep FIFO order
             self.waiting.popleft()
@@ -166,70 +162,70 @@ class DataOps:
     def get(self, session: Session, header: dict, frames: list) -> dict | None:
         items = requests.items(header, self.cfg.max_batch)
         batch = self._batch(session, Op.GET, header)
-        if session.staging is None:
+        staging = session.staging
+        if staging is None:
             batch.out_frames = [b""] * len(items)
             session.release_sent_replies()
-        jobs: list[tuple[int, ChunkEntry, Any]] = []
+        queue = self._queue(batch, job_bytes(items, self.cfg.copy_threads))
+        limit = staging.nbytes if staging is not None else -1
+        leases = session.leases
         for i, (key, offset, nbytes) in enumerate(items):
-            problem = self._item_problem(session, key, offset, nbytes, None, i)
-            if problem is not None:
-                self._fail(batch, i, *problem)
-                continue
-            self.sessions.release_lease(session, session.ikey(key))  # a GET consumes the lease
-            self._get_item(batch, jobs, i, key, offset, nbytes)
-        if batch.parked:
-            self.waiting.append(batch)
-        self._submit(batch, jobs, self._get_job)
-        done = self._answer_now_or_later(batch)
-        if done is not None and session.staging is None:
+            if not (type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES and type(nbytes) is int
+                    and type(offset) is int and 0 <= offset and 0 < nbytes
+                    and offset + nbytes <= limit):
+                problem = requests.item_problem(staging, key, offset, nbytes, None,
+                                                self.cfg.max_inline_bytes)
+                if problem is not None:
+                    batch.fail(i, *problem)
+                    continue
+            if leases:  # a GET consumes the lease
+                self.sessions.release_lease(session, (session.space, key))
+            self._get_item(batch, queue, i, key, offset, nbytes)
+        done = self._built(batch, queue)
+        if done is not None and staging is None:
             self.finish(batch, done, deferred=False)  # sent tracked: its bytes count until sent
             return None
         return None if done is None else (done, batch.out_frames)
 
-    def _get_item(self, batch: Batch, jobs: list, i: int, key: bytes, offset: Any,
+    def _get_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
                   nbytes: int) -> None:
         session = batch.session
-        status, tier, entry = self.mover.lookup(session.ikey(key), session.fingerprint)
-        if entry is not None and entry.nbytes != nbytes:
-            status, entry = Status.SIZE_MISMATCH, None
+        status, tier, entry = self.mover.lookup((session.space, key), session.fingerprint)
         # A read refreshes the key in the ghosts as in the tier, but the LOOKUP before it counted
         # this chunk request already (kvtierd.server.accounting).
-        self.ghosts.touch(session.ikey(key))
+        batch.ghost_keys.append(key)
         if entry is None:
-            self._get_miss(batch, i, status)
-        elif session.staging is None and not self._take_inline_budget(batch, entry.nbytes):
+            batch.results[i] = int(status)
+        elif entry.nbytes != nbytes:
+            batch.results[i] = int(Status.SIZE_MISMATCH)
+        elif tier is Tier.NVME:
+            if session.staging is None and not self._take_inline_budget(batch, i, nbytes):
+                return
+            self._promote(batch, queue, i, entry, key, offset)
+        elif session.staging is None:
+            if self._take_inline_budget(batch, i, nbytes):
+                self.tier.acquire(entry)
+                batch.out_frames[i] = frame = bytearray(nbytes)
+                queue.add((i, entry, frame), nbytes)
+        else:
+            self.tier.acquire(entry)
+            queue.add((i, entry, offset), nbytes)
+
+    def _take_inline_budget(self, batch: Batch, i: int, nbytes: int) -> bool:
+        session = batch.session
+        if session.inline_reply_bytes + nbytes > self.cfg.max_inline_reply_bytes:
             self.metrics.refused.labels("inline_reply_bytes").inc()
-            self._fail(batch, i, Status.TOO_LARGE,
+            batch.fail(i, Status.TOO_LARGE,
                        f"this session's inline GET replies would hold more than "
                        f"max_inline_reply_bytes ({self.cfg.max_inline_reply_bytes}); ask for "
                        "fewer or smaller chunks per GET, and read earlier replies")
-        elif tier is Tier.NVME:
-            self._promote(batch, i, entry, key, offset)
-        else:
-            jobs.append(self._copy_out_job(batch, i, entry, offset))
-
-    def _take_inline_budget(self, batch: Batch, nbytes: int) -> bool:
-        session = batch.session
-        if session.inline_reply_bytes + nbytes > self.cfg.max_inline_reply_bytes:
             return False
         session.inline_reply_bytes += nbytes
         batch.inline_bytes += nbytes
         return True
 
-    def _get_miss(self, batch: Batch, i: int, status: Status, message: str = "") -> None:
-        if message:
-            self._fail(batch, i, status, message)
-        else:
-            batch.results[i] = int(status)
-
-    def _copy_out_job(self, batch: Batch, i: int, entry: ChunkEntry, offset: Any) -> tuple:
-        self.tier.acquire(entry)
-        if batch.session.staging is None:
-            batch.out_frames[i] = bytearray(entry.nbytes)
-            return (i, entry, batch.out_frames[i])
-        return (i, entry, offset)
-
-    def _promote(self, batch: Batch, i: int, source: ChunkEntry, key: bytes, offset: Any) -> None:
+    def _promote(self, batch: Batch, queue: JobQueue, i: int, source: ChunkEntry, key: bytes,
+                 offset: Any) -> None:
         status, target = self.tier.reserve(source.ikey, source.fingerprint, source.nbytes, 0)
         if target is None:
             if status is Status.NO_SPACE and self.mover.space_coming():
@@ -240,37 +236,53 @@ class DataOps:
                 return
             why = (self._reserve_message(status, source.nbytes, batch.session.tenant)
                    if status is Status.QUOTA_EXCEEDED else "no room in the CPU tier")
-            self._get_miss(batch, i, status, f"cannot promote this NVMe chunk: {why}")
+            batch.fail(i, status, f"cannot promote this NVMe chunk: {why}")
             return
         batch.jobs_left += 1
         batch.session.in_flight += 1
+        self.mover.promote(source, target,
+                           partial(self._promoted, batch, i, source, target, offset))
 
-        def done(ok: bool) -> None:
-            batch.session.in_flight -= 1
-            batch.jobs_left -= 1
-            if not ok or source.doomed:  # failed its check, or DELETEd while being read
-                self.tier.abort(target)
-                self._get_miss(batch, i, Status.CHECKSUM_MISMATCH,
-                               "the NVMe copy failed its check or could not be read; dropped")
-            else:
-                self.tier.commit(target, source.checksum)
-                target.on_nvme = True
-                if not batch.session.closed:
-                    self._submit(batch, [self._copy_out_job(batch, i, target, offset)],
-                                 self._get_job, extend=True)
-                else:  # promoted for the next reader; this one is gone and was served nothing
-                    self._fail(batch, i, Status.NO_SESSION, "the session ended during promotion")
-            self.sessions.release_staging(batch.session)
-            self._maybe_finish(batch)
-            if self.waiting:
-                self.retry_parked()
-
-        self.mover.promote(source, target, done)
+    def _promoted(self, batch: Batch, i: int, source: ChunkEntry, target: ChunkEntry,
+                  offset: Any, ok: bool) -> None:
+        batch.session.in_flight -= 1
+        batch.jobs_left -= 1
+        if not ok or source.doomed:  # failed its check, or DELETEd while being read
+            self.tier.abort(target)
+            batch.fail(i, Status.CHECKSUM_MISMATCH,
+                       "the NVMe copy failed its check or could not be read; dropped")
+        else:
+            self.tier.commit(target, source.checksum)
+            target.on_nvme = True
+            if not batch.session.closed:
+                self.tier.acquire(target)
+                if batch.session.staging is None:
+                    batch.out_frames[i] = offset = bytearray(target.nbytes)
+                self._submit(batch, [(i, target, offset)], target.nbytes)
+            else:  # promoted for the next reader; this one is gone and was served nothing
+                batch.fail(i, Status.NO_SESSION, "the session ended during promotion")
+        self.sessions.release_staging(batch.session)
+        self._maybe_finish(batch)
+        if self.waiting:
+            self.retry_parked()
 
     # -- shared --------------------------------------------------------------------------------------
     def _batch(self, session: Session, op: Op, header: dict) -> Batch:
         count = len(header["items"])
         return Batch(session, op, header.get("id"), time.perf_counter(), [0] * count, [])
+
+    def _queue(self, batch: Batch, target: int) -> JobQueue:
+        return JobQueue(partial(self._submit, batch), target)
+
+    def _built(self, batch: Batch, queue: JobQueue) -> dict | None:
+        """The handler added every item: submit the last job; the reply now, or None (later)."""
+        queue.flush()
+        self._feed_ghosts(batch)
+        batch.building = False
+        if batch.parked:
+            self.waiting.append(batch)
+        batch.deferred = not batch.done
+        return self._answer_now_or_later(batch)
 
     def _check_frames(self, session: Session, items: list, frames: list) -> None:
         # Shared staging needs no per-batch size check: a memfd is sealed against shrinking and a
@@ -282,115 +294,34 @@ class DataOps:
                 f"{len(frames)} frames",
             )
 
-    def _item_problem(
-        self, session: Session, key: Any, offset: Any, nbytes: Any, frames: list | None, i: int
-    ) -> tuple[Status, str] | None:
-        problem = requests.key_problem(key)
-        if problem is not None:
-            return problem
-        problem = requests.nbytes_problem(nbytes)
-        if problem is not None:
-            return problem
-        if session.staging is not None:
-            why = session.staging.check_range(offset, nbytes)
-            return (Status.OUT_OF_BOUNDS, why) if why else None
-        problem = requests.offset_problem(offset)
-        if problem is not None:
-            return problem
-        if nbytes > self.cfg.max_inline_bytes:
-            return (
-                Status.TOO_LARGE,
-                f"inline chunk of {nbytes} bytes is above max_inline_bytes "
-                f"({self.cfg.max_inline_bytes})",
-            )
-        if frames is not None and len(frames[i]) != nbytes:
-            return (
-                Status.SIZE_MISMATCH,
-                f"payload frame has {len(frames[i])} bytes, item says {nbytes}",
-            )
-        return None
-
     def _reserve_message(self, status: Status, nbytes: int, tenant: str) -> str:
-        if status is Status.QUOTA_EXCEEDED:
-            self.metrics.quota_rejections.labels(self.tenants.label(tenant)).inc()
-            page = self.tier.page_bytes
-            return (
-                f"tenant {tenant} is over its quota: {self.tier.tenant_used_pages(tenant) * page}"
-                f" of {self.tier.quota_pages(tenant) * page} bytes used, {nbytes} more asked, and"
-                " its own chunks that could be evicted do not make enough room"
-            )
-        if status is Status.NO_SPACE:
-            return (
-                f"no room for {nbytes} bytes: the CPU tier is full of chunks that are pending, "
-                "leased or being read"
-            )
-        if status is Status.TOO_LARGE:
-            return f"chunk of {nbytes} bytes is larger than the CPU tier ({self.tier.capacity_bytes})"
-        if status is Status.LAYOUT_MISMATCH:
-            return "key is stored with another layout fingerprint; the stored chunk is kept"
-        if status is Status.SIZE_MISMATCH:
-            return "key is stored with another size by the same layout; the stored chunk is kept"
-        if status is Status.BUSY:
-            return "a PUT of this key is already in flight"
-        return ""  # EXISTS: a successful no-op, no message
+        return reserve_message(self.tier, self.tenants, self.metrics, status, nbytes, tenant)
 
-    def _fail(self, batch: Batch, index: int, status: Status, message: str) -> None:
-        batch.results[index] = int(status)
-        if message and len(batch.errors) < MAX_ERRORS:
-            batch.errors.append([index, status.name, message])
+    def _feed_ghosts(self, batch: Batch) -> None:
+        """Hand the ghosts what this batch step stored (PUT) or read (GET), in one call."""
+        if not batch.ghost_keys:
+            return
+        keys, batch.ghost_keys = batch.ghost_keys, []
+        if batch.op is Op.PUT:
+            sizes, batch.ghost_nbytes = batch.ghost_nbytes, []
+            self.ghosts.insert_many(batch.session.space, keys, sizes)
+        else:
+            self.ghosts.touch_many(batch.session.space, keys)
 
     # -- copies --------------------------------------------------------------------------------------
-    def _submit(self, batch: Batch, jobs: list, job_fn: Callable, extend: bool = False) -> None:
-        """Split ``jobs`` into at most ``copy_threads`` byte-balanced parts and run them."""
-        if not jobs:
-            if not extend:
-                batch.deferred = not batch.done
-            return
-        parts = min(self.cfg.copy_threads, len(jobs))
-        buckets: list[list] = [[] for _ in range(parts)]
-        loads = [0] * parts
-        for job in sorted(jobs, key=lambda j: -j[1].nbytes):
-            k = loads.index(min(loads))
-            buckets[k].append(job)
-            loads[k] += job[1].nbytes
-        batch.jobs_left += parts
-        batch.session.in_flight += parts
-        for bucket, nbytes in zip(buckets, loads):
-            done = self.engine.submit(nbytes, lambda b=bucket: job_fn(batch.session, b),
-                                      (batch, bucket))
-            if done is not None:
-                self.on_copy_done(*done)
-        if not extend:
-            batch.deferred = not batch.done
-
-    def _put_job(self, session: Session, bucket: list) -> list[bytes]:
-        arena = self.tier.arena
-        sums = []
-        for _, entry, source in bucket:
-            segs = self.tier.segments(entry)
-            if session.staging is None:
-                sums.append(_copy_frame_in(memoryview(source), arena, segs))
-            else:
-                sums.append(session.staging.copy_in(source, arena, segs))
-        return sums
-
-    def _get_job(self, session: Session, bucket: list) -> set[int]:
-        """Copy every entry out; return the bucket positions that failed their first-read check."""
-        arena = self.tier.arena
-        bad: set[int] = set()
-        for pos, (_, entry, target) in enumerate(bucket):
-            segs = self.tier.segments(entry)
-            if not entry.verified and memcpy.checksum(arena.view, segs) != entry.checksum:
-                bad.add(pos)
-                continue
-            if session.staging is None:
-                _copy_out_to_frame(arena, segs, target)
-            else:
-                session.staging.copy_out(arena, segs, target)
-        return bad
+    def _submit(self, batch: Batch, job: list, nbytes: int) -> None:
+        """Run one copy job of ``batch`` (inline if small: kvtierd.copy.engine)."""
+        session = batch.session
+        fn = copy_jobs.copy_in if batch.op is Op.PUT else copy_jobs.copy_out
+        batch.jobs_left += 1
+        session.in_flight += 1
+        done = self.engine.submit(nbytes, partial(fn, session.staging, self.tier.arena,
+                                                  self.tier.segments, job), (batch, job))
+        if done is not None:
+            self.on_copy_done(*done)
 
     def on_copy_done(self, context: tuple[Batch, list], result: Any, error: BaseException | None):
-        batch, bucket = context
+        batch, job = context
         session = batch.session
         if isinstance(error, CudaContextLost):  # logged once, as CRITICAL, by cuda_health
             log.error("copy for %s batch of session %d failed: %s", batch.op.name, session.id,
@@ -398,12 +329,10 @@ class DataOps:
         elif error is not None:
             log.error("copy for %s batch of session %d failed", batch.op.name, session.id,
                       exc_info=error)
-        for pos, (index, entry, _) in enumerate(bucket):
-            if batch.op is Op.PUT:
-                self._finish_put_item(batch, index, entry, None if error else result[pos], error)
-            else:
-                corrupt = error is None and pos in result
-                self._finish_get_item(batch, index, entry, error, corrupt)
+        if batch.op is Op.PUT:
+            self._put_job_done(batch, job, result, error)
+        else:
+            self._get_job_done(batch, job, result, error)
         batch.jobs_left -= 1
         session.in_flight -= 1
         self.sessions.release_staging(session)
@@ -411,50 +340,73 @@ class DataOps:
         if self.waiting:
             self.retry_parked()  # commits made chunks evictable, releases and aborts free pages
 
+    def _put_job_done(self, batch: Batch, job: list, digests: Any,
+                      error: BaseException | None) -> None:
+        session = batch.session
+        session.pending.difference_update([entry for _, entry, _ in job])
+        if error is not None or session.closed:
+            for index, entry, _ in job:
+                self._put_item_failed(batch, index, entry, error)
+            return
+        commit = self.tier.commit
+        stored = 0
+        for (_, entry, _), digest in zip(job, digests):
+            commit(entry, digest)
+            stored += entry.nbytes
+            batch.ghost_keys.append(entry.ikey[1])
+            batch.ghost_nbytes.append(entry.nbytes)
+        self._bytes_in.inc(stored)
+        if self.mover.write_through:
+            for _, entry, _ in job:
+                self.mover.after_commit(entry)
+        self._feed_ghosts(batch)
+
+    def _put_item_failed(self, batch: Batch, index: int, entry: ChunkEntry,
+                         error: BaseException | None) -> None:
+        self.tier.abort(entry)
+        if isinstance(error, CudaContextLost):
+            batch.fail(index, Status.SHUTTING_DOWN, str(error))
+        elif error is not None:
+            batch.fail(index, Status.INTERNAL, "copy into the CPU tier failed")
+        else:
+            batch.fail(index, Status.NO_SESSION,
+                       "the session ended before the copy completed; not stored")
+
+    def _get_job_done(self, batch: Batch, job: list, corrupt: Any,
+                      error: BaseException | None) -> None:
+        release = self.tier.release
+        served = 0
+        for pos, (index, entry, _) in enumerate(job):
+            release(entry)
+            if error is None and not (corrupt and pos in corrupt):
+                entry.verified = True
+                served += entry.nbytes
+            else:
+                self._get_item_failed(batch, index, entry, error)
+        self._bytes_out.inc(served)
+
+    def _get_item_failed(self, batch: Batch, index: int, entry: ChunkEntry,
+                         error: BaseException | None) -> None:
+        if batch.out_frames:
+            batch.out_frames[index] = b""
+        if error is None:  # the chunk failed its first-read check
+            self.metrics.integrity_failures.labels("cpu").inc()
+            log.error("chunk %r failed its checksum after a warm restart; dropped", entry.ikey)
+            if self.tier.index.get(entry.ikey) is entry:
+                self.tier.delete(entry.ikey)
+            batch.fail(index, Status.CHECKSUM_MISMATCH, "stored bytes failed their check")
+        elif isinstance(error, CudaContextLost):
+            batch.fail(index, Status.SHUTTING_DOWN, str(error))
+        else:
+            batch.fail(index, Status.INTERNAL, "copy out of the CPU tier failed")
+
+    # -- replies -------------------------------------------------------------------------------------
     def _maybe_finish(self, batch: Batch) -> None:
         if batch.done and batch.deferred:
             # Answered even if the session ended meanwhile (BYE right behind a PUT): its peer may
             # still be there, and every request gets a reply.
             batch.deferred = False
             self.finish(batch, self._reply_if_done(batch))
-
-    def _finish_put_item(self, batch: Batch, index: int, entry: ChunkEntry, digest,
-                         error: BaseException | None = None) -> None:
-        batch.session.pending.discard(entry)
-        if digest is None or batch.session.closed:
-            self.tier.abort(entry)
-            if isinstance(error, CudaContextLost):
-                self._fail(batch, index, Status.SHUTTING_DOWN, str(error))
-            elif digest is None:
-                self._fail(batch, index, Status.INTERNAL, "copy into the CPU tier failed")
-            else:
-                self._fail(batch, index, Status.NO_SESSION,
-                           "the session ended before the copy completed; not stored")
-            return
-        self.tier.commit(entry, digest)
-        self.ghosts.insert(entry.ikey, entry.nbytes)
-        self.metrics.bytes.labels("in", "cpu").inc(entry.nbytes)
-        self.mover.after_commit(entry)
-
-    def _finish_get_item(self, batch: Batch, index: int, entry: ChunkEntry,
-                         error: BaseException | None, corrupt: bool) -> None:
-        self.tier.release(entry)
-        if error is None and not corrupt:
-            entry.verified = True
-            self.metrics.bytes.labels("out", "cpu").inc(entry.nbytes)
-            return
-        if batch.out_frames:
-            batch.out_frames[index] = b""
-        if corrupt:
-            self.metrics.integrity_failures.labels("cpu").inc()
-            log.error("chunk %r failed its checksum after a warm restart; dropped", entry.ikey)
-            if self.tier.index.get(entry.ikey) is entry:
-                self.tier.delete(entry.ikey)
-            self._fail(batch, index, Status.CHECKSUM_MISMATCH, "stored bytes failed their check")
-        elif isinstance(error, CudaContextLost):
-            self._fail(batch, index, Status.SHUTTING_DOWN, str(error))
-        else:
-            self._fail(batch, index, Status.INTERNAL, "copy out of the CPU tier failed")
 
     def _answer_now_or_later(self, batch: Batch) -> dict | None:
         done = self._reply_if_done(batch)
@@ -486,18 +438,3 @@ class DataOps:
         op = batch.op.name.lower()
         self.metrics.requests.labels(op, "OK").inc()
         self.metrics.latency.labels(op).observe(time.perf_counter() - batch.started)
-
-
-def _copy_frame_in(payload: memoryview, arena: Any, segs: list[tuple[int, int]]) -> bytes:
-    pos = 0
-    for offset, length in segs:
-        arena.view[offset : offset + length] = payload[pos : pos + length]
-        pos += length
-    return memcpy.checksum(arena.view, segs)
-
-
-def _copy_out_to_frame(arena: Any, segs: list[tuple[int, int]], target: bytearray) -> None:
-    pos = 0
-    for offset, length in segs:
-        target[pos : pos + length] = arena.view[offset : offset + length]
-        pos += length

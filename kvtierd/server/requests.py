@@ -144,3 +144,29 @@ def offset_problem(offset: Any) -> tuple[Status, str] | None:
     if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= MAX_OFFSET:
         return Status.BAD_REQUEST, f"offset {offset!r:.40} must be an int in 0..{MAX_OFFSET}"
     return None
+
+
+def item_problem(staging: Any, key: Any, offset: Any, nbytes: Any, frame: Any,
+                 max_inline_bytes: int) -> tuple[Status, str] | None:
+    """Why one PUT/GET item cannot be served, or None. ``staging`` is the session's buffer (None:
+    an inline session, whose PUT item ``frame`` is its payload frame; None for a GET)."""
+    problem = key_problem(key)
+    if problem is not None:
+        return problem
+    problem = nbytes_problem(nbytes)
+    if problem is not None:
+        return problem
+    if staging is not None:
+        why = staging.check_range(offset, nbytes)
+        return (Status.OUT_OF_BOUNDS, why) if why else None
+    problem = offset_problem(offset)
+    if problem is not None:
+        return problem
+    if nbytes > max_inline_bytes:
+        return (
+            Status.TOO_LARGE,
+            f"inline chunk of {nbytes} bytes is above max_inline_bytes ({max_inline_bytes})",
+        )
+    if frame is not None and len(frame) != nbytes:
+        return Status.SIZE_MISMATCH, f"payload frame has {len(frame)} bytes, item says {nbytes}"
+    return None

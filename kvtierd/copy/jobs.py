@@ -1,0 +1,59 @@
+"""The copy jobs of PUT and GET batches: many chunks per job, run on a copy thread.
+
+A job is a list of ``(item index, entry, where)``: ``where`` is the chunk's offset in the session's
+staging buffer, or (an inline session, no staging) its payload frame / reply buffer. One job per
+few MiB of a batch, not one per chunk: submitting, waking the loop and completing cost the same for
+one 16 KiB chunk as for a thousand. The loop thread builds and completes jobs; these functions only
+move bytes and hash them (memmove and xxh3 release the GIL), and never touch tier state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from kvtierd.copy import memcpy
+from kvtierd.tiers.chunk import ChunkEntry
+
+Job = list[tuple[int, ChunkEntry, Any]]
+Segments = Callable[[ChunkEntry], list[tuple[int, int]]]
+
+
+def copy_in(staging: Any, arena: Any, segments: Segments, job: Job) -> list[bytes]:
+    """Staging (or payload frames) → the entries' arena pages; the xxh3-128 of each chunk."""
+    if staging is None:
+        return [_frame_in(memoryview(frame), arena, segments(entry)) for _, entry, frame in job]
+    put = staging.copy_in
+    return [put(offset, arena, segments(entry)) for _, entry, offset in job]
+
+
+def copy_out(staging: Any, arena: Any, segments: Segments, job: Job) -> set[int]:
+    """The entries' arena pages → staging (or reply buffers); return the job positions whose
+    chunk failed its first-read check (after a warm restart) and was not copied."""
+    view = arena.view
+    bad: set[int] = set()
+    get = staging.copy_out if staging is not None else None
+    for pos, (_, entry, target) in enumerate(job):
+        segs = segments(entry)
+        if not entry.verified and memcpy.checksum(view, segs) != entry.checksum:
+            bad.add(pos)
+            continue
+        if get is None:
+            _frame_out(arena, segs, target)
+        else:
+            get(arena, segs, target)
+    return bad
+
+
+def _frame_in(payload: memoryview, arena: Any, segs: list[tuple[int, int]]) -> bytes:
+    pos = 0
+    for offset, length in segs:
+        arena.view[offset : offset + length] = payload[pos : pos + length]
+        pos += length
+    return memcpy.checksum(arena.view, segs)
+
+
+def _frame_out(arena: Any, segs: list[tuple[int, int]], target: bytearray) -> None:
+    pos = 0
+    for offset, length in segs:
+        target[pos : pos + length] = arena.view[offset : offset + length]
+        pos += length

@@ -1,0 +1,85 @@
+"""One PUT or GET batch on its way through the daemon, and the copy jobs it is cut into.
+
+A batch is answered once every item has an outcome: no job in flight, no item parked waiting for
+space, and its handler done adding items (``building``). Its copies go out in jobs of a few MiB as
+the items are reserved (``JobQueue``), so the copy threads start on the first chunks while the loop
+still reserves the last ones, and a job's completion is one wake-up of the loop for many chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvtierd.protocol import Op, Status
+from kvtierd.server.sessions import Session
+
+MAX_ERRORS = 32  # per reply; results still carry every item's status
+#: The largest copy job: big enough that submitting and completing it is noise next to its
+#: memmoves, small enough that a 64 MiB batch is cut into enough jobs to keep every copy thread
+#: busy while the loop is still reserving.
+MAX_JOB_BYTES = 4 * 1024**2
+
+
+@dataclass(eq=False)
+class Batch:
+    """A PUT or GET whose jobs are in flight (or whose items wait for space)."""
+
+    session: Session
+    op: Op
+    request_id: Any
+    started: float
+    results: list[int]
+    errors: list[list]
+    out_frames: list[Any] = field(default_factory=list)  # inline GET payloads
+    jobs_left: int = 0
+    deferred: bool = False  # the handler returned before the jobs completed
+    building: bool = True  # the handler is still adding items
+    parked: list[tuple[int, Any, Any, Any]] = field(default_factory=list)  # PUT items awaiting space
+    frames: list = field(default_factory=list)  # inline PUT payloads
+    inline_bytes: int = 0  # of the session's max_inline_reply_bytes, what this GET's reply holds
+    # Ghost feed, applied once per batch step (kvtierd.ghost): PUT keys stored or already there,
+    # with their sizes; GET keys read.
+    ghost_keys: list[bytes] = field(default_factory=list)
+    ghost_nbytes: list[int] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.jobs_left == 0 and not self.parked and not self.building
+
+    def fail(self, index: int, status: Status, message: str) -> None:
+        self.results[index] = int(status)
+        if message and len(self.errors) < MAX_ERRORS:
+            self.errors.append([index, status.name, message])
+
+
+def job_bytes(items: list, threads: int) -> int:
+    """Bytes per copy job for ``items``: the batch spread over the copy threads, at most
+    MAX_JOB_BYTES. The total is estimated from the first item (batches are one chunk size)."""
+    first = items[0][2] if items else 0
+    estimate = len(items) * first if type(first) is int else 0
+    return max(1, min(MAX_JOB_BYTES, estimate // max(1, threads)))
+
+
+class JobQueue:
+    """Collects a batch's copy items and submits them as a job once ``target`` bytes are queued."""
+
+    __slots__ = ("_submit", "target", "job", "nbytes")
+
+    def __init__(self, submit: Callable[[list, int], None], target: int) -> None:
+        self._submit = submit
+        self.target = target
+        self.job: list = []
+        self.nbytes = 0
+
+    def add(self, item: tuple, nbytes: int) -> None:
+        self.job.append(item)
+        self.nbytes += nbytes
+        if self.nbytes >= self.target:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.job:
+            job, nbytes = self.job, self.nbytes
+            self.job, self.nbytes = [], 0
+            self._submit(job, nbytes)
