@@ -75,6 +75,11 @@ class DataOps:
         queue = self._queue(batch, job_bytes(items, self.cfg.copy_threads))
         staging = session.staging
         limit = staging.nbytes if staging is not None else -1  # inline: the checked path below
+        # Without an NVMe tier and with shared staging (the common case), an item is one reserve
+        # and one queued copy, written out here: no call per item beyond the tier's.
+        fast = self.mover.nvme is None and staging is not None
+        space, fingerprint, owner = session.space, session.fingerprint, session.id
+        reserve, pending, add = self.tier.reserve, session.pending.add, queue.add
         for i, (key, offset, nbytes) in enumerate(items):
             # The common case in one expression; anything else gets its exact message below.
             if not (type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES and type(nbytes) is int
@@ -86,7 +91,15 @@ class DataOps:
                 if problem is not None:
                     batch.fail(i, *problem)
                     continue
-            self._reserve_item(batch, queue, i, key, offset, nbytes)
+            if not fast:
+                self._reserve_item(batch, queue, i, key, offset, nbytes)
+                continue
+            status, entry = reserve((space, key), fingerprint, nbytes, owner)
+            if entry is None:
+                self._refused(batch, i, status, key, offset, nbytes)
+            else:
+                pending(entry)
+                add((i, entry, offset), nbytes)
         return self._built(batch, queue)
 
     def _reserve_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
@@ -105,16 +118,22 @@ class DataOps:
                 return
         status, entry = self.tier.reserve(ikey, session.fingerprint, nbytes, session.id)
         if entry is None:
-            if status is Status.EXISTS:
-                batch.ghost_keys.append(key)
-                batch.ghost_nbytes.append(nbytes)
-            if status is Status.NO_SPACE and self.mover.space_coming():
-                batch.parked.append((i, key, offset, nbytes))
-                return
-            batch.fail(i, status, self._reserve_message(status, nbytes, session.tenant))
+            self._refused(batch, i, status, key, offset, nbytes)
             return
         session.pending.add(entry)
         queue.add((i, entry, batch.frames[i] if session.staging is None else offset), nbytes)
+
+    def _refused(self, batch: Batch, i: int, status: Status, key: bytes, offset: Any,
+                 nbytes: int) -> None:
+        """The CPU tier did not reserve item ``i``: already there (a no-op that still feeds the
+        ghosts), parked until space comes back, or failed with the reason."""
+        if status is Status.EXISTS:
+            batch.ghost_keys.append(key)
+            batch.ghost_nbytes.append(nbytes)
+        if status is Status.NO_SPACE and self.mover.space_coming():
+            batch.parked.append((i, key, offset, nbytes))
+            return
+        batch.fail(i, status, self._reserve_message(status, nbytes, batch.session.tenant))
 
     @staticmethod
     def _existing_below(entry: ChunkEntry, fingerprint: str, nbytes: int) -> Status:
@@ -190,7 +209,11 @@ class DataOps:
     def _get_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
                   nbytes: int) -> None:
         session = batch.session
-        status, tier, entry = self.mover.lookup((session.space, key), session.fingerprint)
+        if self.mover.nvme is None:  # the mover's lookup without its NVMe step: one call less
+            status, entry = self.tier.lookup((session.space, key), session.fingerprint)
+            tier = Tier.CPU
+        else:
+            status, tier, entry = self.mover.lookup((session.space, key), session.fingerprint)
         # A read refreshes the key in the ghosts as in the tier, but the LOOKUP before it counted
         # this chunk request already (kvtierd.server.accounting).
         batch.ghost_keys.append(key)
