@@ -185,11 +185,11 @@ def round_trips(address: str, n: int, warmup: int = 200) -> tuple[float, float]:
     return percentiles(samples)
 
 
-def bench_raw_zmq(workdir: Path, n: int) -> tuple[float, float]:
+def bench_raw_zmq(workdir: Path, n: int, warmup: int = 200) -> tuple[float, float]:
     address = f"ipc://{workdir / 'echo.sock'}"
     proc = subprocess.Popen([sys.executable, "-c", ECHO, address])
     try:
-        return round_trips(address, n)
+        return round_trips(address, n, warmup)
     finally:
         proc.kill()
 
@@ -225,7 +225,7 @@ def main() -> int:
         if unknown:
             parser.error(f"--sizes: {unknown} unknown; allowed: {', '.join(SIZES)}")
         sizes = {w: SIZES[w] for w in wanted}
-    rounds, pings = (1, 50) if args.quick else (args.rounds, args.pings)
+    rounds, pings, warmup = (1, 20, 5) if args.quick else (args.rounds, args.pings, 200)
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
     proc, address = start_daemon(workdir, "64MiB" if args.quick else "1GiB")
     redis_handle, redis_note = (None, "--quick") if args.quick else start_redis(workdir)
@@ -243,8 +243,8 @@ def main() -> int:
                 row["redis_set_gbs"], row["redis_get_gbs"] = bench_redis(redis_handle[1], size,
                                                                          rounds, batch_bytes)
             results["sizes"][label] = row
-        results["ping_p50_us"], results["ping_p99_us"] = (x * 1e6 for x in round_trips(address, pings))
-        results["zmq_p50_us"], results["zmq_p99_us"] = (x * 1e6 for x in bench_raw_zmq(workdir, pings))
+        results["ping_p50_us"], results["ping_p99_us"] = (x * 1e6 for x in round_trips(address, pings, warmup))
+        results["zmq_p50_us"], results["zmq_p99_us"] = (x * 1e6 for x in bench_raw_zmq(workdir, pings, warmup))
         results["lookup_keys_per_s"] = bench_lookup(session, 2 if args.quick else 50,
                                                     64 if args.quick else 2048)
     finally:

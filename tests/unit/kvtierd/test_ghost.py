@@ -159,3 +159,35 @@ def test_memory_per_key_is_what_the_docs_say():
     finally:
         tracemalloc.stop()
     assert 60 < per_key < 200, per_key
+
+
+@pytest.mark.parametrize("max_keys", [1 << 30, 300])  # exact, and sampled (a key subset)
+def test_batch_feeds_leave_the_ghosts_exactly_as_per_key_feeds(max_keys):
+    """insert_many / touch_many (what PUT and GET call once per batch) are the per-key sequence."""
+    rng = random.Random(max_keys)
+    space = ("uid:0", "ns", 3)
+    tiers = [("cpu", 200 * PAGE), ("nvme", 300 * PAGE)]
+    one = GhostCaches(tiers, PAGE, max_keys=max_keys)
+    many = GhostCaches(tiers, PAGE, max_keys=max_keys)
+    assert (one.tiers[0].sample_ratio < 1.0) == (max_keys == 300)
+    for _ in range(40):
+        keys = [f"k{rng.randrange(900)}".encode() for _ in range(rng.randint(1, 60))]
+        if rng.random() < 0.5:
+            sizes = [rng.choice([1, PAGE, 3 * PAGE + 5, 500 * PAGE]) for _ in keys]
+            for key, nbytes in zip(keys, sizes):
+                one.insert((space, key), nbytes)
+            many.insert_many(space, keys, sizes)
+        else:
+            for key in keys:
+                one.touch((space, key))
+            many.touch_many(space, keys)
+        probe = [f"k{i}".encode() for i in range(0, 900, 7)]
+        for key in probe:
+            one.access((space, key), None)
+            many.access((space, key), None)
+    for a, b in zip(one.tiers, many.tiers):
+        assert a.stats() == b.stats()
+        for scale in a.ghosts:
+            assert list(a.ghosts[scale]._order.items()) == list(b.ghosts[scale]._order.items())
+    many.check_invariants()
+    assert sum(len(g) for t in many.tiers for g in t.ghosts.values()) > 0
