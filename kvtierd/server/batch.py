@@ -35,7 +35,7 @@ class Batch:
     jobs_left: int = 0
     deferred: bool = False  # the handler returned before the jobs completed
     building: bool = True  # the handler is still adding items
-    parked: list[tuple[int, Any, Any, Any]] = field(default_factory=list)  # PUT items awaiting space
+    parked: list[tuple[int, Any, Any, Any]] = field(default_factory=list)  # items awaiting space
     frames: list = field(default_factory=list)  # inline PUT payloads
     inline_bytes: int = 0  # of the session's max_inline_reply_bytes, what this GET's reply holds
     # Ghost feed, applied once per batch step (kvtierd.ghost): PUT keys stored or already there,
