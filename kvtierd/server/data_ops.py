@@ -224,7 +224,7 @@ class DataOps:
         elif tier is Tier.NVME:
             if session.staging is None and not self._take_inline_budget(batch, i, nbytes):
                 return
-            self._promote(batch, queue, i, entry, key, offset)
+            self._promote(batch, i, entry, key, offset)
         elif session.staging is None:
             if self._take_inline_budget(batch, i, nbytes):
                 self.tier.acquire(entry)
@@ -247,8 +247,7 @@ class DataOps:
         batch.inline_bytes += nbytes
         return True
 
-    def _promote(self, batch: Batch, queue: JobQueue, i: int, source: ChunkEntry, key: bytes,
-                 offset: Any) -> None:
+    def _promote(self, batch: Batch, i: int, source: ChunkEntry, key: bytes, offset: Any) -> None:
         status, target = self.tier.reserve(source.ikey, source.fingerprint, source.nbytes, 0)
         if target is None:
             if status is Status.NO_SPACE and self.mover.space_coming():
