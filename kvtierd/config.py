@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvtierd.config_error import ConfigError
+from kvtierd.config_remote import RemoteConfig, parse_remote
 from kvtierd.config_tenants import TenantConfig, parse_tenants
 from kvtierd.paths import default_runtime_dir, default_socket
 from kvtierd.sizes import parse_size
@@ -146,6 +147,9 @@ class Config:
     ticket_timeout_s: float = 10.0
     # Python logging level name.
     log_level: str = "INFO"
+    # The remote tier on a Mooncake Store ([remote] table of the TOML file only; see
+    # kvtierd.config_remote and README "Across nodes"). None: no remote tier.
+    remote: RemoteConfig | None = None
 
     @property
     def cpu_pages(self) -> int:
@@ -209,7 +213,7 @@ _SIZE_KEYS = {
     "nvme_bytes",
     "tenant_max_bytes",
 }
-_TABLE_KEYS = {"tenants"}  # TOML tables: file only (no env variable or flag can express them)
+_TABLE_KEYS = {"tenants", "remote"}  # TOML tables: file only (no env variable or flag can express them)
 _FIELD_TYPES = {f.name: f.type for f in fields(Config)}
 
 
@@ -217,6 +221,8 @@ def _coerce(key: str, value: Any) -> Any:
     kind = _FIELD_TYPES[key]
     if key == "tenants":
         return parse_tenants(value)
+    if key == "remote":
+        return parse_remote(value)
     try:
         if key in _SIZE_KEYS:
             return parse_size(value)
