@@ -138,6 +138,9 @@ class Tier(enum.IntEnum):
     NONE = 0
     CPU = 1
     NVME = 2
+    # Held by the remote tier (another node may have stored it); a GET promotes it. Clients that
+    # predate it decode an unknown number as a miss (kvtier_client.index), never as a hit.
+    REMOTE = 3
 
 
 class ProtocolError(Exception):
