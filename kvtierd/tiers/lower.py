@@ -32,14 +32,22 @@ remote tier is another):
     What the tier knows *now*, without I/O: ``OK`` and a READY entry, ``MISS``, or
     ``LAYOUT_MISMATCH`` (the key is held for another layout: never bytes for the wrong reader). A
     hit's ``nbytes`` may be ``0`` when only a read can tell the size (the reader's is then used).
-``unknown(ikeys) -> list``
-    Of these keys (all missed by ``lookup``), those only an existence check can tell about. The
-    default (``[]``) suits a tier whose index is complete (NVMe).
+``checks_existence`` / ``unknown(ikeys) -> list``
+    ``checks_existence = True`` says that ``lookup`` alone cannot tell (remote); ``unknown`` then
+    returns, of these keys (all missed by every tier), those only an existence check can tell
+    about (not recently checked). The defaults (False, ``[]``) suit a tier whose index is complete
+    (NVMe). A GET consults ``lookup`` only: a key never checked (no LOOKUP before) is a miss.
 ``exists_job(ikeys, fingerprint) -> job returning list[bool]``
     One batched existence check for a LOOKUP's unknown keys (Mooncake ``batch_is_exist``);
     ``exists_done(ikeys, fingerprint, found)`` records the answer on the loop thread, after which
     ``lookup`` answers from it (a small bounded cache is the tier's business). ``found is None``:
     the check failed; nothing is recorded.
+``peek(ikey) -> entry | None``
+    The entry under ``ikey`` in any state (READY or being written), as far as the tier knows
+    without I/O, and without touching its eviction order. The chain answers a PUT of a key held
+    below ``EXISTS`` (or ``BUSY`` while it is written) without storing it in the arena, and drops a
+    CPU victim at once, without writing it, when a tier already holds it with the same checksum
+    (``holds``, derived from ``peek``). A tier that wants neither shortcut returns ``None``.
 ``reserve(ikey, fingerprint, nbytes, checksum) -> entry | None``
     A write target (PENDING, invisible to ``lookup``), or ``None``: already held, too large or no
     room (the chain counts ``no_space`` and leaves the chunk where it is).
@@ -74,10 +82,18 @@ remote tier is another):
     serving), logs once per opening and sets ``kvtierd_tier_available{tier}``.
 ``check_invariants()`` and ``close()``.
 
-Publishing (``PublishPolicy``, configured per lower tier): ``on-commit`` writes every committed
-chunk asynchronously (NVMe's write-through); ``on-evict`` writes what leaves the tiers above (NVMe's
-write-back demotion). ``after_reads`` is an admission filter: a chunk is published only once it
-has been read that many times (vLLM's ``store_threshold``); 0 publishes at once.
+Publishing (``PublishPolicy``, configured per lower tier). Every chunk that leaves the arena (a CPU
+victim) walks the lower tiers in order: the first that already ``holds`` it ends the walk (the
+chunk is dropped from the arena, a copy stays below); otherwise the first usable tier that admits
+it and has room (``reserve``) gets it written (demotion: it stays readable in the arena until
+durable there). That is ``on-evict``: a tier only receives what leaves the tiers above it.
+``on-commit`` adds an asynchronous write of every committed chunk (NVMe's write-through; the
+remote tier's default). ``after_reads`` is an admission filter: a chunk is written to the tier only
+once it has been read (GET) that many times (vLLM's ``store_threshold``); 0 admits every chunk.
+A chunk evicted from a lower tier itself is dropped; it does not cascade further down.
+
+Events: "chunk now durable in tier X" and "chunk dropped from tier X" happen in one place, the
+chain's ``ChainEvents`` (``stored``/``dropped``), for every tier including the arena.
 """
 
 from __future__ import annotations
@@ -90,7 +106,7 @@ from typing import Any, Callable, Hashable, Sequence
 from kvtierd.protocol import Status, Tier
 from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.arena import Arena
-from kvtierd.tiers.chunk import ChunkEntry
+from kvtierd.tiers.chunk import ChunkEntry, ChunkState
 
 Job = Callable[[], Any]
 
@@ -124,6 +140,8 @@ class LowerTier(ABC):
 
     name: str
     tier: Tier
+    #: True when ``lookup`` alone cannot tell (remote): ``unknown``/``exists_job`` are then used.
+    checks_existence: bool = False
     #: Seconds the chain skips this tier after a job raised TierUnavailable.
     retry_s: float = 10.0
     #: Set by the chain; every removal from the tier's index calls it.
@@ -142,6 +160,14 @@ class LowerTier(ABC):
     def exists_done(self, ikeys: Sequence[Hashable], fingerprint: str,
                     found: list[bool] | None) -> None:
         return None
+
+    @abstractmethod
+    def peek(self, ikey: Hashable) -> ChunkEntry | None: ...
+
+    def holds(self, ikey: Hashable, checksum: bytes) -> bool:
+        """Whether a READY copy with this checksum is here (a CPU victim then leaves for free)."""
+        entry = self.peek(ikey)
+        return entry is not None and entry.state is ChunkState.READY and entry.checksum == checksum
 
     # -- writes --------------------------------------------------------------------------------
     @abstractmethod

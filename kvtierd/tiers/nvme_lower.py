@@ -9,6 +9,8 @@ checks, and a local disk is never "unavailable" as a whole: its faults are per j
 
 from __future__ import annotations
 
+from typing import Hashable
+
 from kvtierd.protocol import Tier
 from kvtierd.tiers import nvme
 from kvtierd.tiers.allocator import Run
@@ -20,6 +22,9 @@ from kvtierd.tiers.lower import IntegrityError, Job, LowerTier
 class NvmeLowerTier(nvme.NvmeTier, LowerTier):
     name = "nvme"
     tier = Tier.NVME
+
+    def peek(self, ikey: Hashable) -> ChunkEntry | None:
+        return self.index.get(ikey)
 
     def read_job(self, entry: ChunkEntry, arena: Arena, dst_runs: list[Run],
                  dst_segments: list[tuple[int, int]]) -> Job:
