@@ -2,7 +2,9 @@
 
 Parsed from the TOML file only (like ``[tenants]``: an environment variable or a flag cannot express
 a table). No ``[remote]`` table: no remote tier. Every key is checked at start, so that a typo in a
-master address fails the daemon's start instead of silently turning the tier off.
+master address fails the daemon's start instead of silently turning the tier off. When chunks are
+published is the chain's business (top-level keys ``remote_publish``,
+``remote_publish_after_reads``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from kvtierd.sizes import parse_size
 
 BACKENDS = ("mooncake",)
 PROTOCOLS = ("tcp", "rdma")
-PUBLISH = ("on-commit", "on-evict")
 #: Part of every object's name: letters, digits and ``_.-`` only, so that it never needs quoting
 #: and two clusters' prefixes can never be confused.
 CLUSTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -51,17 +52,12 @@ class RemoteConfig:
     # Names every object (kvtierd/<cluster_id>/...): daemons of two clusters sharing one Mooncake
     # never see each other's chunks. Daemons meant to share chunks use the same id.
     cluster_id: str = "default"
-    # "on-commit": every committed chunk is published asynchronously; "on-evict": only chunks that
-    # leave the local tiers.
-    publish: str = "on-commit"
-    # Publish a chunk only once it was read this many times (vLLM's store_threshold); 0 = always.
-    publish_after_reads: int = 0
     # After the store fails as a whole (master down, timeout), the remote tier is skipped for this
     # long before it is tried again; local tiers serve meanwhile.
     retry_s: float = 10.0
-    # Longest the start may spend connecting to the master (setup); past it the daemon fails to
-    # start with a clear message rather than hanging.
-    connect_timeout_s: float = 30.0
+    # Longest a connection attempt waits for the master's and the metadata server's ports (each)
+    # before the tier counts as unavailable for retry_s (the daemon serves its local tiers).
+    connect_timeout_s: float = 2.0
     # Most keys in one Mooncake batch call; longer LOOKUP/GET/PUT batches are split.
     max_batch: int = 1024
     # Most names the tier remembers from existence checks (LRU), so that a LOOKUP followed by its
@@ -71,7 +67,7 @@ class RemoteConfig:
 
 _SIZE_KEYS = ("global_segment_bytes", "local_buffer_bytes")
 _FLOAT_KEYS = ("retry_s", "connect_timeout_s")
-_INT_KEYS = ("publish_after_reads", "max_batch", "known_keys")
+_INT_KEYS = ("max_batch", "known_keys")
 _KEYS = tuple(RemoteConfig.__dataclass_fields__)
 
 
@@ -114,7 +110,6 @@ def _coerce(key: str, value: Any) -> Any:
 def _validate(cfg: RemoteConfig) -> None:
     _one_of("backend", cfg.backend, BACKENDS)
     _one_of("protocol", cfg.protocol, PROTOCOLS)
-    _one_of("publish", cfg.publish, PUBLISH)
     host, _, port = cfg.master_addr.rpartition(":")
     if not host or not _HOST.match(host) or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ConfigError("remote.master_addr", cfg.master_addr, "HOST:PORT with a port in "

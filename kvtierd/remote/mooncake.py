@@ -20,15 +20,16 @@ old master are simply misses.
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import ipaddress
 import logging
 import mmap
 import os
+import socket
 import threading
 from contextlib import contextmanager
 from typing import Iterator, Sequence
+from urllib.parse import urlsplit
 
 from kvtierd.config_remote import RemoteConfig
 from kvtierd.remote.objects import HEADER_BYTES
@@ -123,25 +124,27 @@ class MooncakeStore:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Set up the client (mounting ``global_segment_bytes`` into the pool); fails with a
-        ``RemoteSetupError`` naming the master and metadata service, within
-        ``connect_timeout_s``."""
+        """Set up the client (mounting ``global_segment_bytes`` into the pool), or raise
+        ``RemoteSetupError`` naming the master and metadata service.
+
+        Mooncake's ``setup`` holds the GIL for its whole run, and with the master down it retries
+        for about 90 s: the whole daemon would stall. So the master's and the metadata server's
+        ports are probed first (``connect_timeout_s`` each), and setup runs only when both
+        answer (then it takes milliseconds)."""
         store_cls = _import_store()
         cfg = self.cfg
-        _bind_transfer_engine(cfg.local_hostname)
-        store = store_cls()
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtierd-mooncake")
-        future = pool.submit(store.setup, cfg.local_hostname, cfg.metadata_url,
-                             cfg.global_segment_bytes, cfg.local_buffer_bytes, cfg.protocol,
-                             cfg.device, cfg.master_addr)
-        pool.shutdown(wait=False)
         where = (f"master {cfg.master_addr}, metadata {cfg.metadata_url}, protocol "
                  f"{cfg.protocol}")
-        try:
-            rc = future.result(timeout=cfg.connect_timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise RemoteSetupError(f"Mooncake Store did not answer within "
-                                   f"{cfg.connect_timeout_s:g} s ({where})") from None
+        for what, host, port in self._endpoints():
+            try:
+                socket.create_connection((host, port), timeout=cfg.connect_timeout_s).close()
+            except OSError as exc:
+                raise RemoteSetupError(f"Mooncake {what} {host}:{port} unreachable ({exc}); "
+                                       f"{where}") from None
+        _bind_transfer_engine(cfg.local_hostname)
+        store = store_cls()
+        rc = store.setup(cfg.local_hostname, cfg.metadata_url, cfg.global_segment_bytes,
+                         cfg.local_buffer_bytes, cfg.protocol, cfg.device, cfg.master_addr)
         if rc != 0:
             raise RemoteSetupError(f"Mooncake Store setup failed with code {rc} ({where}); is "
                                    "mooncake_master running and reachable?")
@@ -149,6 +152,14 @@ class MooncakeStore:
         self.register(self.headers.address, self.headers.nbytes)
         log.info("remote tier: Mooncake Store at %s (metadata %s, %s, segment %d bytes)",
                  cfg.master_addr, cfg.metadata_url, cfg.protocol, cfg.global_segment_bytes)
+
+    def _endpoints(self) -> list[tuple[str, str, int]]:
+        host, _, port = self.cfg.master_addr.rpartition(":")
+        out = [("master", host.strip("[]"), int(port))]
+        if self.cfg.metadata_url != "P2PHANDSHAKE":
+            url = urlsplit(self.cfg.metadata_url)
+            out.append(("metadata server", url.hostname or "", url.port or 80))
+        return out
 
     def register(self, address: int, nbytes: int) -> None:
         """Register memory for zero-copy transfers (the arena; the header pool)."""

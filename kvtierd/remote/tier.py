@@ -32,8 +32,7 @@ from kvtierd.remote.mooncake import MooncakeStore, RemoteSetupError
 from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments
-from kvtierd.tiers.lower import (IntegrityError, Job, LowerTier, Publish, PublishPolicy,
-                                 TierUnavailable)
+from kvtierd.tiers.lower import IntegrityError, Job, LowerTier, TierUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +48,7 @@ class RemoteWriteFailed(Exception):
 class RemoteTier(LowerTier):
     name = "remote"
     tier = Tier.REMOTE
+    checks_existence = True  # other nodes publish too: only the store knows
 
     def __init__(self, cfg: RemoteConfig, arena: Arena, page_bytes: int,
                  store: MooncakeStore | None = None) -> None:
@@ -57,12 +57,15 @@ class RemoteTier(LowerTier):
         self.page_bytes = page_bytes
         self.store = store if store is not None else MooncakeStore(cfg)
         self.retry_s = cfg.retry_s
-        self.publish = PublishPolicy(Publish(cfg.publish), cfg.publish_after_reads)
         self.on_drop = lambda entry: None
         self.known: OrderedDict[Hashable, ChunkEntry] = OrderedDict()
         self.pending: dict[Hashable, ChunkEntry] = {}
         self._deletions: list[ChunkEntry] = []
         self._used_bytes = 0
+        # Names a read found missing (or of another size): dropped without removing the object,
+        # which may be another reader's valid chunk. Written by jobs, read on the loop thread.
+        self._missing: set[str] = set()
+        self._missing_lock = threading.Lock()
         self._connect_lock = threading.Lock()
         self._connected = False
 
@@ -91,6 +94,9 @@ class RemoteTier(LowerTier):
             return Status.MISS, None  # another layout's object has another name: a plain miss
         self.known.move_to_end(ikey)
         return Status.OK, entry
+
+    def peek(self, ikey: Hashable) -> ChunkEntry | None:
+        return self.pending.get(ikey) or self.known.get(ikey)
 
     def unknown(self, ikeys: Sequence[Hashable]) -> list[Hashable]:
         return [k for k in ikeys if k not in self.pending]
@@ -161,6 +167,8 @@ class RemoteTier(LowerTier):
         def job() -> bytes:
             raw = self._ready().get([name], [buffers])[0]
             if raw is None:
+                with self._missing_lock:
+                    self._missing.add(name)
                 raise RemoteMiss(f"{name}: not in the store (or not {nbytes} bytes)")
             try:
                 header = objects.check_header(raw, name, ikey, fingerprint, nbytes)
@@ -182,11 +190,17 @@ class RemoteTier(LowerTier):
 
     # -- removal -----------------------------------------------------------------------------------
     def drop(self, entry: ChunkEntry) -> None:
-        """Forget the object and remove it from the store (it failed a read)."""
+        """Forget the object and remove it from the store (it failed a read), unless the read
+        found it missing or of another size: then it is only forgotten."""
         if self.known.get(entry.ikey) is entry:
             self._forget(entry)
         entry.doomed = True
-        self._deletions.append(entry)
+        name = self.name_of(entry.ikey, entry.fingerprint)
+        with self._missing_lock:
+            missing = name in self._missing
+            self._missing.discard(name)
+        if not missing:
+            self._deletions.append(entry)
         self.on_drop(entry)
 
     def delete(self, ikey: Hashable) -> Status:
@@ -234,7 +248,7 @@ class RemoteTier(LowerTier):
 
     def stats(self) -> dict[str, int]:
         return {"capacity_bytes": self.cfg.global_segment_bytes, "used_bytes": self._used_bytes,
-                "chunks": len(self.known), "pending": len(self.pending)}
+                "chunks": len(self.known), "pending_chunks": len(self.pending)}
 
     def check_invariants(self) -> None:
         assert all(e.state is ChunkState.READY and not e.doomed for e in self.known.values())

@@ -46,6 +46,8 @@ from kvtierd.server.connections import (
 from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
 from kvtierd.server.handshake import HandshakeServer
+from kvtierd.remote import build_remote_tier
+from kvtierd.remote.mooncake import RemoteSetupError
 from kvtierd.server.chain import TierChain
 from kvtierd.server.probes import ProbeSchedule
 from kvtierd.server.sessions import SessionTable
@@ -211,6 +213,13 @@ class Daemon:
                 when = (Publish.ON_COMMIT if cfg.nvme_write_policy == "write-through"
                         else Publish.ON_EVICT)
                 tiers.append((nvme, PublishPolicy(when, cfg.nvme_publish_after_reads)))
+            try:
+                remote = build_remote_tier(cfg, self.arena)
+            except RemoteSetupError as exc:
+                raise StartupError("remote.backend", cfg.remote.backend, str(exc)) from None
+            if remote is not None:
+                tiers.append((remote, PublishPolicy(Publish(cfg.remote_publish),
+                                                    cfg.remote_publish_after_reads)))
         except BaseException:
             for tier, _ in tiers:
                 tier.close()

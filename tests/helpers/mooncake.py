@@ -180,7 +180,7 @@ class MooncakeMaster:
         values: dict[str, object] = {
             "master_addr": self.master_addr, "metadata_url": self.metadata_url,
             "local_hostname": "127.0.0.1", "global_segment_bytes": "64MiB",
-            "local_buffer_bytes": "16MiB", "retry_s": 1.0, "connect_timeout_s": 20.0,
+            "local_buffer_bytes": "16MiB", "retry_s": 1.0, "connect_timeout_s": 2.0,
         }
         values.update(overrides)
         lines = ["[remote]"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import uuid
-from pathlib import Path
 
 import pytest
+from helpers import mooncake as mc
+from helpers.wait import wait_for
 
 from kvtierd.config_remote import RemoteConfig
 from kvtierd.copy.memcpy import checksum
@@ -21,8 +22,6 @@ from kvtierd.remote.tier import RemoteMiss, RemoteTier
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.chunk import segments
 from kvtierd.tiers.lower import IntegrityError, TierUnavailable
-from tests.helpers import mooncake as mc
-from tests.helpers.wait import wait_for
 
 pytestmark = pytest.mark.skipif(mc.unavailable_reason() is not None,
                                 reason=str(mc.unavailable_reason()))
@@ -47,7 +46,7 @@ def arena():
 def config(master: mc.MooncakeMaster, **kw) -> RemoteConfig:
     values = dict(cluster_id=f"test-{uuid.uuid4().hex[:12]}", master_addr=master.master_addr, metadata_url=master.metadata_url,
                   global_segment_bytes=32 * 1024**2, local_buffer_bytes=8 * 1024**2,
-                  retry_s=1.0, connect_timeout_s=20.0)
+                  retry_s=1.0, connect_timeout_s=2.0)
     values.update(kw)
     return RemoteConfig(**values)
 
@@ -130,8 +129,8 @@ def raw_client(master: mc.MooncakeMaster):
     store = MooncakeDistributedStore()
     with master.ns.entered():
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-        assert store.setup("127.0.0.1", master.metadata_url, 16 * 1024**2, 16 * 1024**2, "tcp", "",
-                           master.master_addr) == 0
+        assert store.setup("127.0.0.1", master.metadata_url, 16 * 1024**2, 16 * 1024**2,
+                           "tcp", "", master.master_addr) == 0
     return store
 
 
