@@ -189,6 +189,21 @@ class MooncakeMaster:
         return "\n".join(lines) + "\n"
 
 
+def raw_client(master: MooncakeMaster, segment_bytes: int = 16 * 1024**2):
+    """Mooncake's own Python client in this process (in the master's namespace), as another
+    program sharing the store would use it; ``close()`` it inside ``master.ns.entered()``."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    with master.ns.entered():
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        rc = store.setup("127.0.0.1", master.metadata_url, segment_bytes, 16 * 1024**2, "tcp",
+                         "", master.master_addr)
+    if rc != 0:
+        raise RuntimeError(f"Mooncake client setup failed with {rc}:\n{master.log()[-2000:]}")
+    return store
+
+
 def _toml(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -122,16 +122,7 @@ def node(master, arena):
     h.close()
 
 
-def raw_client(master: mc.MooncakeMaster):
-    """Mooncake's own client, as another program sharing the store would use it."""
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    with master.ns.entered():
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-        assert store.setup("127.0.0.1", master.metadata_url, 16 * 1024**2, 16 * 1024**2,
-                           "tcp", "", master.master_addr) == 0
-    return store
+raw_client = mc.raw_client
 
 
 def test_round_trip_is_byte_exact_and_lookup_answers_remote(node: Harness) -> None:

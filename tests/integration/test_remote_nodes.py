@@ -7,6 +7,7 @@ and the remote tier comes back when the master does.
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -38,7 +39,7 @@ def nodes(master, daemon_factory, tmp_path):
 
     def start(name: str, **remote):
         config = tmp_path / f"{name}.toml"
-        config.write_text(master.remote_toml(cluster_id=cluster, **remote))
+        config.write_text(master.remote_toml(**{"cluster_id": cluster, **remote}))
         return daemon_factory("--config", str(config), preexec_fn=master.ns.preexec)
 
     return start
@@ -146,3 +147,43 @@ def test_master_down_both_nodes_serve_locally_and_recover(master, nodes) -> None
 
     wait_for(recovered, 60, "remote tier recovered after the master restart", interval_s=1.0)
     assert metric(metrics(master, b), "kvtierd_tier_available", tier="remote") == 1
+
+
+def test_flipped_byte_in_a_remote_object_is_a_miss_counted_and_removed(master, nodes) -> None:
+    from kvtierd.remote import objects
+
+    cluster = f"flip-{uuid.uuid4().hex[:12]}"
+    a, b = nodes("a", cluster_id=cluster), nodes("b", cluster_id=cluster, global_segment_bytes=0)
+    lay = layout()
+    kv = random_kv(21)
+    tokens = torch.randint(0, 50000, (64,), generator=torch.Generator().manual_seed(21)).tolist()
+    chunks = lay.plan(tokens, [list(range(4))])
+    assert len(chunks) == 1
+    store(a, lay, chunks, kv)
+    wait_for(published(master, a, 1), 30, "node A published")
+    tenant = f"uid:{os.getuid()}"
+    name = objects.object_name(cluster, ((tenant, lay.namespace, lay.rank), chunks[0].key),
+                               lay.fingerprint)
+    raw = mc.raw_client(master, segment_bytes=0)
+    try:
+        with master.ns.entered():
+            stored = bytearray(raw.get(name))
+            assert len(stored) == objects.HEADER_BYTES + 2 * 4 * PAGE, "not where expected"
+            stored[-7] ^= 0x10
+            assert raw.remove(name, True) == 0
+            assert raw.put(name, bytes(stored)) == 0
+        assert tiers_of(b, lay, chunks) == [Tier.REMOTE]
+        for t in kv.values():
+            t.fill_(0xAB)
+        with KVTierClient.connect(b.address, layout=lay, kv_caches=kv) as client:
+            assert client.load(chunks).result(timeout=30) == [False]
+        for n in ("l0", "l1"):
+            for blk in chunks[0].block_ids:
+                assert bool((kv[n][blk] == 0xAB).all()), "corrupt bytes reached the client"
+        assert metric(metrics(master, b), "kvtierd_integrity_failures_total", tier="remote") == 1
+        with master.ns.entered():
+            wait_for(lambda: raw.is_exist(name) == 0, 30, "the corrupt object removed")
+        assert tiers_of(b, lay, chunks) == [Tier.NONE]
+    finally:
+        with master.ns.entered():
+            raw.close()
