@@ -22,6 +22,7 @@ the wrong name (a bug or tampering in the store), the tenant's digest a forged p
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Hashable
@@ -64,9 +65,16 @@ def object_name(cluster_id: str, ikey: Hashable, fingerprint: str) -> str:
     """The object name of chunk ``ikey = ((tenant, namespace, rank), key)`` in layout
     ``fingerprint``."""
     (tenant, namespace, rank), key = ikey  # type: ignore[misc]
+    return _space_prefix(cluster_id, tenant, namespace, int(rank), fingerprint) + bytes(key).hex()
+
+
+@functools.lru_cache(maxsize=4096)
+def _space_prefix(cluster_id: str, tenant: str, namespace: str, rank: int,
+                  fingerprint: str) -> str:
+    """Shared by every chunk of one session (a 1024-key LOOKUP computes it once)."""
     fp = xxhash.xxh3_64_hexdigest(fingerprint.encode())
     return (f"{PREFIX}/{cluster_id}/{quote(tenant, safe='')}/{quote(namespace, safe='')}/"
-            f"{int(rank)}/{fp}/{bytes(key).hex()}")
+            f"{rank}/{fp}/")
 
 
 def tenant_prefix(cluster_id: str, tenant: str) -> str:

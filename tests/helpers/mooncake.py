@@ -189,6 +189,53 @@ class MooncakeMaster:
         return "\n".join(lines) + "\n"
 
 
+class SegmentServer:
+    """Mooncake's standalone store process (``mooncake_client``) lending ``segment_bytes`` to the
+    pool, so that benchmark clients (segment 0) move bytes to another process over TCP, as to
+    another node."""
+
+    def __init__(self, master: MooncakeMaster, segment_bytes: int) -> None:
+        self.master = master
+        self.log_path = master.workdir / "mooncake_client.log"
+        segment_bytes = max(segment_bytes, 64 * 1024**2)  # Mooncake needs >= 16 MiB
+        argv = [str(bin_dir() / "mooncake_client"), "--host=127.0.0.1",
+                f"--global_segment_size={segment_bytes}", "--protocol=tcp",
+                f"--master_server_address={master.master_addr}",
+                f"--metadata_server={master.metadata_url}", "--port=50052", "--threads=2"]
+        log = open(self.log_path, "ab")
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=master._preexec)
+        log.close()
+
+    def wait_mounted(self, timeout_s: float = 30.0) -> None:
+        """Until the master lends its segment (a put through a client without one succeeds)."""
+        client = raw_client(self.master, segment_bytes=0)
+        deadline = time.monotonic() + timeout_s
+        try:
+            with self.master.ns.entered():
+                while time.monotonic() < deadline:
+                    if self.proc.poll() is not None:
+                        raise RuntimeError(f"mooncake_client exited with {self.proc.returncode}")
+                    if client.put("kvtierd-probe", b"probe-bytes") == 0:
+                        client.remove("kvtierd-probe", True)
+                        return
+                    time.sleep(0.2)
+        finally:
+            with self.master.ns.entered():
+                client.close()
+        raise RuntimeError(f"mooncake_client's segment not mounted within {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 def raw_client(master: MooncakeMaster, segment_bytes: int = 16 * 1024**2):
     """Mooncake's own Python client in this process (in the master's namespace), as another
     program sharing the store would use it; ``close()`` it inside ``master.ns.entered()``."""
