@@ -85,6 +85,11 @@ class DirRemoteTier(NvmeLowerTier):
         if found is not None:
             self.known.update(k for k, hit in zip(ikeys, found) if hit)
 
+    def stats(self) -> dict[str, int]:
+        out = super().stats()
+        del out["direct_io"]  # kvtierd_nvme_direct_io is the NVMe tier's alone
+        return out
+
     # -- bookkeeping that keeps ``known`` honest ----------------------------------------------
     def commit(self, entry: ChunkEntry) -> None:
         super().commit(entry)
