@@ -9,7 +9,7 @@ Everything that moves chunks between tiers is written here once, for any ``Lower
   ``demoting`` (not evictable, one ref held by the write), until its copy below is durable; then it
   leaves the arena. A victim some tier already holds leaves at once.
 * **Publishing on commit** (``on-commit``, NVMe's write-through): every commit also starts a write;
-  the arena copy stays. With an admission filter (``after_reads``) the write starts at the N-th read.
+  the arena copy stays. With an admission filter (``after_reads``) it starts at the N-th read.
 * **Promotion**: a GET hit below reads the chunk into reserved arena pages (the caller parks items
   while the arena is full, as for any promotion), verified by the tier, then commits it.
 * **Faults**: a failed write drops that chunk from the tier (and, for a demotion, from the arena,

@@ -79,6 +79,11 @@ MAX_TICKETS = 256  # handshakes awaiting their HELLO (each may hold a client's m
 LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
 
 
+def remote_policy(cfg: Config) -> PublishPolicy:
+    """The remote tier's publishing policy (``remote_publish``, ``remote_publish_after_reads``)."""
+    return PublishPolicy(Publish(cfg.remote_publish), cfg.remote_publish_after_reads)
+
+
 class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg

@@ -8,8 +8,9 @@ larger than the watermark headroom is slowed down, not refused.
 
 GET: a CPU hit is acquired and copied arena → staging. A hit in a lower tier (NVMe, remote) is
 first promoted: arena pages are reserved, the tier chain reads and verifies them and commits the
-chunk to the arena (its copy below stays), then it is copied out like a CPU hit. Per-item outcomes go into
-``results`` with a message per failure in ``errors``; one bad item never fails its neighbours.
+chunk to the arena (its copy below stays), then it is copied out like a CPU hit. Per-item outcomes
+go into ``results`` with a message per failure in ``errors``; one bad item never fails its
+neighbours.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class DataOps:
                       nbytes: int) -> None:
         session = batch.session
         ikey = session.ikey(key)
-        below = self.mover.peek_below(ikey) if self.mover.links else None
+        below = self.mover.peek_below(ikey)
         if below is not None and ikey not in self.tier.index:
             status = self._existing_below(below, session.fingerprint, nbytes)
             if status is Status.EXISTS:

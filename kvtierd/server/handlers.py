@@ -183,10 +183,17 @@ class OpHandlers:
             started = time.perf_counter()
 
             def later() -> None:  # answered with what the tiers know now
-                again = [self.mover.lookup(ikey, session.fingerprint) for ikey in ikeys]
-                fields = self._lookup_answer(session, ikeys, again, lease and not session.closed)
-                self.send(session.identity, reply(header.get("id"), Status.OK, **fields), [])
-                self.metrics.requests.labels("lookup", "OK").inc()
+                try:
+                    again = [self.mover.lookup(ikey, session.fingerprint) for ikey in ikeys]
+                    fields = self._lookup_answer(session, ikeys, again,
+                                                 lease and not session.closed)
+                    header_out, status = reply(header.get("id"), Status.OK, **fields), "OK"
+                except Exception as exc:  # every request gets a reply, even this late
+                    log.exception("answering a LOOKUP after its existence check failed")
+                    header_out = reply(header.get("id"), Status.INTERNAL, f"internal error: {exc}")
+                    status = Status.INTERNAL.name
+                self.send(session.identity, header_out, [])
+                self.metrics.requests.labels("lookup", status).inc()
                 self.metrics.latency.labels("lookup").observe(time.perf_counter() - started)
 
             if self.mover.check(missed, session.fingerprint, later):

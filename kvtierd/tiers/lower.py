@@ -13,8 +13,8 @@ tier's ``*_done``/``commit``/``abort`` on the loop thread. A job may only touch 
 was given, its own connection/files, and state it owns that is thread-safe; never the tier's index.
 
 Bytes always move between a lower tier and *arena pages*: ``runs`` (page runs of the arena,
-``kvtierd.tiers.allocator.Run``) of a chunk's payload in payload order, and ``segments`` (byte ranges
-``(offset, length)`` of the arena view) for checksums. A remote tier that registers the arena with
+``kvtierd.tiers.allocator.Run``) of a chunk's payload in payload order, and ``segments`` (byte
+ranges ``(offset, length)`` of the arena view) for checksums. A remote tier that registers the arena with
 its transfer engine can move them zero-copy (``arena.address``, ``arena.nbytes``, ``arena.view``).
 
 Entries. A lower tier describes its chunks with ``kvtierd.tiers.chunk.ChunkEntry`` (``ikey``,
@@ -74,7 +74,9 @@ remote tier is another):
     returns what is waiting (or ``None``), ``delete_job(entries)`` does it, ``deleted(entries)``
     completes it on the loop thread (pages/keys reusable only then).
 ``stats() -> dict[str, int]``
-    O(1) running totals; must hold ``capacity_bytes``, ``used_bytes`` and ``chunks`` (0 where unknown).
+    O(1) running totals (STATS, ``kvtierd stats``, the ``kvtierd_tier_*`` gauges); must hold
+    ``capacity_bytes``, ``used_bytes``, ``chunks`` and ``pending_chunks`` (0 where unknown), may
+    hold ``evictions`` and the tier's own counters.
 ``available() -> bool``
     False while the tier knows itself unreachable (its own health check). Independently, a job that
     raises ``TierUnavailable`` opens the chain's circuit for the tier for ``retry_s`` seconds.

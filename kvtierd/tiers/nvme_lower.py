@@ -34,7 +34,11 @@ class NvmeLowerTier(nvme.NvmeTier, LowerTier):
             try:
                 read()
             except nvme.IntegrityError as exc:
-                raise IntegrityError(str(exc)) from None
-            return entry.checksum
+                why = str(exc)
+            else:
+                return entry.checksum
+            # Raised outside the handler: the original's traceback (frames holding arena views)
+            # must not live on as this one's context.
+            raise IntegrityError(why)
 
         return job
