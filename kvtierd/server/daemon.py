@@ -223,8 +223,7 @@ class Daemon:
             except RemoteSetupError as exc:
                 raise StartupError("remote.backend", cfg.remote.backend, str(exc)) from None
             if remote is not None:
-                tiers.append((remote, PublishPolicy(Publish(cfg.remote_publish),
-                                                    cfg.remote_publish_after_reads)))
+                tiers.append((remote, remote_policy(cfg)))
         except BaseException:
             for tier, _ in tiers:
                 tier.close()
