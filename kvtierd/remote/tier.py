@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from typing import Hashable, Sequence
 
@@ -35,6 +36,10 @@ from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments
 from kvtierd.tiers.lower import IntegrityError, Job, LowerTier, TierUnavailable
 
 log = logging.getLogger(__name__)
+
+
+#: How long an existence check's "absent" answer is trusted (another node may publish it since).
+ABSENT_TTL_S = 1.0
 
 
 class RemoteMiss(Exception):
@@ -60,6 +65,9 @@ class RemoteTier(LowerTier):
         self.on_drop = lambda entry: None
         self.known: OrderedDict[Hashable, ChunkEntry] = OrderedDict()
         self.pending: dict[Hashable, ChunkEntry] = {}
+        # Keys an existence check found absent, with when to ask again (insertion = expiry order).
+        self._absent: OrderedDict[Hashable, float] = OrderedDict()
+        self.clock = time.monotonic
         self._deletions: list[ChunkEntry] = []
         self._used_bytes = 0
         # Names a read found missing (or of another size): dropped without removing the object,
@@ -99,7 +107,13 @@ class RemoteTier(LowerTier):
         return self.pending.get(ikey) or self.known.get(ikey)
 
     def unknown(self, ikeys: Sequence[Hashable]) -> list[Hashable]:
-        return [k for k in ikeys if k not in self.pending]
+        """Keys not being written here and not found absent in the last ``ABSENT_TTL_S``: an
+        engine asking about the same missing prefix every step asks the master once a second."""
+        now = self.clock()
+        absent = self._absent
+        while absent and next(iter(absent.values())) <= now:
+            absent.popitem(last=False)
+        return [k for k in ikeys if k not in self.pending and k not in absent]
 
     def exists_job(self, ikeys: Sequence[Hashable], fingerprint: str) -> Job:
         names = [self.name_of(k, fingerprint) for k in ikeys]
@@ -109,7 +123,15 @@ class RemoteTier(LowerTier):
                     found: list[bool] | None) -> None:
         if found is None:
             return
+        expiry = self.clock() + ABSENT_TTL_S
         for ikey, hit in zip(ikeys, found):
+            if not hit:
+                self._absent.pop(ikey, None)  # re-inserted last: expiries stay in order
+                self._absent[ikey] = expiry
+                while len(self._absent) > self.cfg.known_keys:
+                    self._absent.popitem(last=False)
+                continue
+            self._absent.pop(ikey, None)
             current = self.known.get(ikey)
             if hit and (current is None or current.fingerprint != fingerprint):
                 if current is not None:
@@ -147,6 +169,7 @@ class RemoteTier(LowerTier):
 
     def commit(self, entry: ChunkEntry) -> None:
         self.pending.pop(entry.ikey, None)
+        self._absent.pop(entry.ikey, None)
         entry.state = ChunkState.READY
         current = self.known.get(entry.ikey)
         if current is not None:
