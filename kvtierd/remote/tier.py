@@ -7,9 +7,10 @@ existence check found, and asks the store about every other key of a LOOKUP (``u
 size is used, and an object of another size is a miss, never bytes.
 
 Every object is named and headed by ``kvtierd.remote.objects``; every read checks the header
-(format version, tenant, fingerprint, name, length) and the payload's xxh3-128 before the chain may
-commit the arena copy: a mismatch raises ``IntegrityError`` (the chain drops the entry, which queues
-the object's removal from the store, and counts ``kvtierd_integrity_failures_total{tier="remote"}``).
+(format version, tenant, fingerprint, name, length) and the payload's xxh3-128 before the chain
+may commit the arena copy: a mismatch raises ``IntegrityError`` (the chain drops the entry, which
+queues the object's removal from the store, and counts
+``kvtierd_integrity_failures_total{tier="remote"}``).
 
 Connection: the first job connects (blocking, on an I/O thread, never at start on the loop): a
 daemon whose master is down starts and serves its local tiers; each failed attempt raises
@@ -19,7 +20,6 @@ restarted master.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import OrderedDict
@@ -34,8 +34,6 @@ from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments
 from kvtierd.tiers.lower import IntegrityError, Job, LowerTier, TierUnavailable
-
-log = logging.getLogger(__name__)
 
 
 #: How long an existence check's "absent" answer is trusted (another node may publish it since).

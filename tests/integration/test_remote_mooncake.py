@@ -44,7 +44,8 @@ def arena():
 
 
 def config(master: mc.MooncakeMaster, **kw) -> RemoteConfig:
-    values = dict(cluster_id=f"test-{uuid.uuid4().hex[:12]}", master_addr=master.master_addr, metadata_url=master.metadata_url,
+    values = dict(cluster_id=f"test-{uuid.uuid4().hex[:12]}", master_addr=master.master_addr,
+                  metadata_url=master.metadata_url,
                   global_segment_bytes=32 * 1024**2, local_buffer_bytes=8 * 1024**2,
                   retry_s=1.0, connect_timeout_s=2.0)
     values.update(kw)
