@@ -82,6 +82,9 @@ remote tier is another):
     raises ``TierUnavailable`` opens the chain's circuit for the tier for ``retry_s`` seconds.
     While either says no, the chain skips the tier for lookups, reads and writes (local tiers keep
     serving), logs once per opening and sets ``kvtierd_tier_available{tier}``.
+``io_threads``
+    0 (share the daemon's I/O pool) or the size of the tier's own pool; a job should still bound
+    its own time (a timeout that raises ``TierUnavailable``), as it holds a thread meanwhile.
 ``check_invariants()`` and ``close()``.
 
 Publishing (``PublishPolicy``, configured per lower tier). Every chunk that leaves the arena (a CPU
@@ -144,6 +147,10 @@ class LowerTier(ABC):
     tier: Tier
     #: True when ``lookup`` alone cannot tell (remote): ``unknown``/``exists_job`` are then used.
     checks_existence: bool = False
+    #: 0: this tier's jobs share the daemon's I/O pool (``io_threads``). N > 0: the chain gives it
+    #: its own pool of N threads, so that a slow or hanging tier (network timeouts) never queues
+    #: another tier's jobs behind its own. A remote tier should have its own.
+    io_threads: int = 0
     #: Seconds the chain skips this tier after a job raised TierUnavailable.
     retry_s: float = 10.0
     #: Set by the chain; every removal from the tier's index calls it.
