@@ -14,8 +14,9 @@ was given, its own connection/files, and state it owns that is thread-safe; neve
 
 Bytes always move between a lower tier and *arena pages*: ``runs`` (page runs of the arena,
 ``kvtierd.tiers.allocator.Run``) of a chunk's payload in payload order, and ``segments`` (byte
-ranges ``(offset, length)`` of the arena view) for checksums. A remote tier that registers the arena with
-its transfer engine can move them zero-copy (``arena.address``, ``arena.nbytes``, ``arena.view``).
+ranges ``(offset, length)`` of the arena view) for checksums. A remote tier that registers the
+arena with its transfer engine can move them zero-copy (``arena.address``, ``arena.nbytes``,
+``arena.view``).
 
 Entries. A lower tier describes its chunks with ``kvtierd.tiers.chunk.ChunkEntry`` (``ikey``,
 ``fingerprint``, ``nbytes``, ``checksum``, ``ref_count``, ``pin_count``, ``doomed``; ``runs`` may be
@@ -56,13 +57,16 @@ remote tier is another):
     durable *before* anything says they exist (crash safety); all or nothing per job. Then
     ``commit(target)`` (READY, visible) or, if the job raised, ``abort(target)``.
 ``read_job(source, arena, dst_runs, dst_segments) -> job returning bytes``
-    Reads ``source`` into the arena pages ``dst_runs`` (reserved by the chain for
-    ``len(dst_segments)`` bytes), verifies it (checksum; for a remote object also its header:
-    format version, tenant, fingerprint, length) and returns the payload's xxh3-128 checksum as
-    ``kvtierd.copy.memcpy.checksum`` computes it over ``dst_segments``. A mismatch raises
-    ``IntegrityError``: the chain drops the chunk (``drop``), counts
-    ``kvtierd_integrity_failures_total{tier}`` and serves a miss. Bytes never reach a client
-    unverified.
+    Reads ``source`` into the arena pages ``dst_runs`` (reserved by the chain for the chunk's
+    ``nbytes``, the reader's when ``source.nbytes`` is 0; ``dst_segments`` sums to it), verifies
+    it (checksum; for a remote object also its header: format version, tenant, fingerprint, and a
+    length equal to that size) and returns the payload's xxh3-128 checksum as
+    ``kvtierd.copy.memcpy.checksum`` computes it over ``dst_segments`` (the arena copy is
+    committed with it). A mismatch raises ``IntegrityError``: the chain drops the chunk (``drop``),
+    counts ``kvtierd_integrity_failures_total{tier}`` and serves a miss. ``TierUnavailable``: a
+    miss, the copy is kept, the circuit opens. Any other error (an object that is gone, EIO): a
+    miss, the copy is dropped, ``kvtierd_io_failures_total{tier, reason}``. Bytes never reach a
+    client unverified.
 ``acquire(entry)`` / ``release(entry)``
     Around every read job: a referenced entry is not freed (it may be dropped meanwhile: it is then
     ``doomed`` and freed at the last release).
