@@ -67,6 +67,7 @@ class Link:
 
     tier: LowerTier
     policy: PublishPolicy
+    engine: CopyEngine  # where its jobs run: the shared I/O pool or its own (LowerTier.io_threads)
     open_until: float = 0.0  # circuit open (tier skipped) until this monotonic time
     up: bool = True  # what the last check said (logged and exported on change)
     queued: dict[str, list[tuple[ChunkEntry, ChunkEntry]]] = field(
@@ -96,8 +97,14 @@ class TierChain:
                  engine: CopyEngine, metrics: DaemonMetrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cpu = cpu
-        self.links = [Link(tier, policy) for tier, policy in lower]
         self.engine = engine
+        self._own_engines: list[CopyEngine] = []  # per-tier pools, closed with the chain
+        self.links = []
+        for tier, policy in lower:
+            if tier.io_threads:
+                self._own_engines.append(CopyEngine(tier.io_threads, inline_bytes=-1))
+            self.links.append(Link(tier, policy, self._own_engines[-1] if tier.io_threads
+                                   else engine))
         self.metrics = metrics
         self.clock = clock
         self.events = ChainEvents()
@@ -118,6 +125,11 @@ class TierChain:
     def checks_existence(self) -> bool:
         """Whether some lower tier needs existence checks for keys it does not know (remote)."""
         return any(link.tier.checks_existence for link in self.links)
+
+    @property
+    def engines(self) -> list[CopyEngine]:
+        """Every I/O pool whose completions the loop must drain (``on_io_done``)."""
+        return [self.engine, *self._own_engines]
 
     @property
     def lower(self) -> list[LowerTier]:
@@ -313,7 +325,8 @@ class TierChain:
     def _submit_batches(self, link: Link, kind: str,
                         queued: list[tuple[ChunkEntry, ChunkEntry]]) -> None:
         # Spread over the I/O threads, but never below WRITE_JOB_BYTES per job.
-        per_job = max(WRITE_JOB_BYTES, -(-sum(c.nbytes for c, _ in queued) // self.engine.threads))
+        total = sum(c.nbytes for c, _ in queued)
+        per_job = max(WRITE_JOB_BYTES, -(-total // link.engine.threads))
         batch: list[tuple[ChunkEntry, ChunkEntry]] = []
         size = 0
         for pair in queued:
@@ -339,7 +352,7 @@ class TierChain:
                              link.tier.delete_job(entries), 0)
 
     def _submit(self, job: IoJob, fn: Callable[[], Any], nbytes: int) -> None:
-        done = self.engine.submit(nbytes, fn, job)
+        done = job.link.engine.submit(nbytes, fn, job)
         assert done is None, "the I/O engine never runs jobs inline"
 
     # -- completions (kvtierd.server.chain_io) -----------------------------------------------------
@@ -352,5 +365,9 @@ class TierChain:
             tier.check_invariants()
 
     def close(self) -> None:
+        """Close the tiers' own pools (waiting for their jobs), then the tiers."""
+        for engine in self._own_engines:
+            engine.close()
+        self._own_engines.clear()
         for tier in self.lower:
             tier.close()

@@ -306,15 +306,18 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.engine.wake_fd, zmq.POLLIN)
-        poller.register(self.io_engine.wake_fd, zmq.POLLIN)
+        io_engines = {engine.wake_fd: engine for engine in self.mover.engines}
+        for fd in io_engines:
+            poller.register(fd, zmq.POLLIN)
         next_tick = time.monotonic() + TICK_S
         while not self._stop.is_set():
             timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
             events = dict(poller.poll(timeout_ms))
             if self.engine.wake_fd in events:
                 self._drain_completions()
-            if self.io_engine.wake_fd in events:
-                self._drain_io()
+            for fd, engine in io_engines.items():
+                if fd in events:
+                    self._drain_io(engine)
             if self.socket in events:
                 self._drain_requests()
             self.mover.flush()  # writes and deletes queued by what was just handled
@@ -342,8 +345,8 @@ class Daemon:
             except Exception:
                 log.exception("completing a copy failed")
 
-    def _drain_io(self) -> None:
-        for job, result, error in self.io_engine.completions():
+    def _drain_io(self, engine: CopyEngine) -> None:
+        for job, result, error in engine.completions():
             try:
                 self.mover.on_io_done(job, result, error)
             except Exception:
@@ -387,10 +390,12 @@ class Daemon:
         log.info("kvtierd stopping")
         deadline = time.monotonic() + 30.0
         self.mover.flush()
-        while (self.engine.in_flight or self.io_engine.in_flight) and time.monotonic() < deadline:
+        while ((self.engine.in_flight or any(e.in_flight for e in self.mover.engines))
+               and time.monotonic() < deadline):
             time.sleep(0.01)
             self._drain_completions()
-            self._drain_io()
+            for engine in self.mover.engines:
+                self._drain_io(engine)
             self.mover.flush()
         self.handshake.close()
         self.tickets.close_all()

@@ -14,8 +14,9 @@ was given, its own connection/files, and state it owns that is thread-safe; neve
 
 Bytes always move between a lower tier and *arena pages*: ``runs`` (page runs of the arena,
 ``kvtierd.tiers.allocator.Run``) of a chunk's payload in payload order, and ``segments`` (byte
-ranges ``(offset, length)`` of the arena view) for checksums. A remote tier that registers the arena with
-its transfer engine can move them zero-copy (``arena.address``, ``arena.nbytes``, ``arena.view``).
+ranges ``(offset, length)`` of the arena view) for checksums. A remote tier that registers the
+arena with its transfer engine can move them zero-copy (``arena.address``, ``arena.nbytes``,
+``arena.view``).
 
 Entries. A lower tier describes its chunks with ``kvtierd.tiers.chunk.ChunkEntry`` (``ikey``,
 ``fingerprint``, ``nbytes``, ``checksum``, ``ref_count``, ``pin_count``, ``doomed``; ``runs`` may be
@@ -56,13 +57,16 @@ remote tier is another):
     durable *before* anything says they exist (crash safety); all or nothing per job. Then
     ``commit(target)`` (READY, visible) or, if the job raised, ``abort(target)``.
 ``read_job(source, arena, dst_runs, dst_segments) -> job returning bytes``
-    Reads ``source`` into the arena pages ``dst_runs`` (reserved by the chain for
-    ``len(dst_segments)`` bytes), verifies it (checksum; for a remote object also its header:
-    format version, tenant, fingerprint, length) and returns the payload's xxh3-128 checksum as
-    ``kvtierd.copy.memcpy.checksum`` computes it over ``dst_segments``. A mismatch raises
-    ``IntegrityError``: the chain drops the chunk (``drop``), counts
-    ``kvtierd_integrity_failures_total{tier}`` and serves a miss. Bytes never reach a client
-    unverified.
+    Reads ``source`` into the arena pages ``dst_runs`` (reserved by the chain for the chunk's
+    ``nbytes``, the reader's when ``source.nbytes`` is 0; ``dst_segments`` sums to it), verifies
+    it (checksum; for a remote object also its header: format version, tenant, fingerprint, and a
+    length equal to that size) and returns the payload's xxh3-128 checksum as
+    ``kvtierd.copy.memcpy.checksum`` computes it over ``dst_segments`` (the arena copy is
+    committed with it). A mismatch raises ``IntegrityError``: the chain drops the chunk (``drop``),
+    counts ``kvtierd_integrity_failures_total{tier}`` and serves a miss. ``TierUnavailable``: a
+    miss, the copy is kept, the circuit opens. Any other error (an object that is gone, EIO): a
+    miss, the copy is dropped, ``kvtierd_io_failures_total{tier, reason}``. Bytes never reach a
+    client unverified.
 ``acquire(entry)`` / ``release(entry)``
     Around every read job: a referenced entry is not freed (it may be dropped meanwhile: it is then
     ``doomed`` and freed at the last release).
@@ -82,6 +86,9 @@ remote tier is another):
     raises ``TierUnavailable`` opens the chain's circuit for the tier for ``retry_s`` seconds.
     While either says no, the chain skips the tier for lookups, reads and writes (local tiers keep
     serving), logs once per opening and sets ``kvtierd_tier_available{tier}``.
+``io_threads``
+    0 (share the daemon's I/O pool) or the size of the tier's own pool; a job should still bound
+    its own time (a timeout that raises ``TierUnavailable``), as it holds a thread meanwhile.
 ``check_invariants()`` and ``close()``.
 
 Publishing (``PublishPolicy``, configured per lower tier). Every chunk that leaves the arena (a CPU
@@ -144,6 +151,10 @@ class LowerTier(ABC):
     tier: Tier
     #: True when ``lookup`` alone cannot tell (remote): ``unknown``/``exists_job`` are then used.
     checks_existence: bool = False
+    #: 0: this tier's jobs share the daemon's I/O pool (``io_threads``). N > 0: the chain gives it
+    #: its own pool of N threads, so that a slow or hanging tier (network timeouts) never queues
+    #: another tier's jobs behind its own. A remote tier should have its own.
+    io_threads: int = 0
     #: Seconds the chain skips this tier after a job raised TierUnavailable.
     retry_s: float = 10.0
     #: Set by the chain; every removal from the tier's index calls it.

@@ -7,7 +7,8 @@ two things that make a remote tier different from a local one:
   (``exists_job`` reads the SQLite index on an I/O thread) or after writing it itself, so LOOKUP
   goes through ``TierChain.check`` as it will with Mooncake;
 * it can be *unreachable*: ``cut()`` makes every job raise ``TierUnavailable`` (as a master that
-  is down would), ``heal()`` ends that; ``available()`` is what the tier says about itself.
+  is down would), ``heal()`` ends that; ``hang()`` makes jobs wait (a peer that stopped
+  answering) until ``answer()``; ``available()`` is what the tier says about itself.
 
 Not a mock of our components: every byte goes through the real tier, every check is real.
 """
@@ -28,6 +29,7 @@ class DirRemoteTier(NvmeLowerTier):
     tier = Tier.REMOTE
     checks_existence = True
     retry_s = 5.0
+    io_threads = 1  # its own pool, as a remote tier should have
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -35,6 +37,8 @@ class DirRemoteTier(NvmeLowerTier):
         self.says_available = True
         self.exists_calls = 0
         self._cut = threading.Event()  # read by jobs on I/O threads
+        self._go = threading.Event()  # cleared: jobs hang (a remote that stopped answering)
+        self._go.set()
 
     # -- faults --------------------------------------------------------------------------------
     def cut(self) -> None:
@@ -43,11 +47,18 @@ class DirRemoteTier(NvmeLowerTier):
     def heal(self) -> None:
         self._cut.clear()
 
+    def hang(self) -> None:
+        self._go.clear()
+
+    def answer(self) -> None:
+        self._go.set()
+
     def available(self) -> bool:
         return self.says_available
 
     def _reachable(self, job: Job) -> Job:
         def run():
+            self._go.wait(60)
             if self._cut.is_set():
                 raise TierUnavailable("connection refused (the directory remote is cut off)")
             return job()

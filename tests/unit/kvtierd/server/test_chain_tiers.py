@@ -84,11 +84,15 @@ class Stack:
         self.settle()
 
     def settle(self) -> None:
+        """What the daemon's loop does: drain every I/O pool of the chain until all is done."""
         self.chain.flush()
-        while self.engine.in_flight:
-            select.select([self.engine.wake_fd], [], [], 10)
-            for job, result, error in self.engine.completions():
-                self.chain.on_io_done(job, result, error)
+        engines = self.chain.engines
+        assert len(engines) == 2, "the remote's jobs do not run on a pool of their own"
+        while any(e.in_flight for e in engines):
+            select.select([e.wake_fd for e in engines], [], [], 10)
+            for engine in engines:
+                for job, result, error in engine.completions():
+                    self.chain.on_io_done(job, result, error)
 
     def check(self, key: bytes) -> None:
         """What a LOOKUP does for a key no tier knows: one batched existence check."""
@@ -284,4 +288,26 @@ def test_a_corrupt_copy_below_is_a_miss_counted_and_dropped(make):
     assert s.remote.peek((SPACE, b"c")) is None and (SPACE, b"c") not in s.cpu.index
     assert ("dropped", "remote", b"c") in s.events.log
     s.settle()
+    s.invariants()
+
+
+def test_a_hanging_remote_never_delays_the_nvme_tier(make):
+    s = make(remote_policy=PublishPolicy(COMMIT, after_reads=1))
+    s.put(b"hot")
+    s.put(b"cold")
+    s.remote.hang()  # the remote stops answering: the publish job holds its own thread
+    s.chain.after_read(s.cpu.index[(SPACE, b"hot")])  # admitted: publishing starts, and hangs
+    s.chain.flush()
+    nvme_pool, remote_pool = s.chain.engines
+    assert remote_pool.in_flight == 1
+    assert s.cpu.evict(1) and s.cpu.index[(SPACE, b"cold")].demoting  # "hot" is held
+    s.chain.flush()
+    while nvme_pool.in_flight:  # the demotion completes while the remote still hangs
+        select.select([nvme_pool.wake_fd], [], [], 10)
+        for job, result, error in nvme_pool.completions():
+            s.chain.on_io_done(job, result, error)
+    assert s.nvme.peek((SPACE, b"cold")) is not None and remote_pool.in_flight == 1
+    s.remote.answer()
+    s.settle()
+    assert s.remote.peek((SPACE, b"hot")) is not None
     s.invariants()
