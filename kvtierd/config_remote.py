@@ -58,6 +58,9 @@ class RemoteConfig:
     # Longest a connection attempt waits for the master's and the metadata server's ports (each)
     # before the tier counts as unavailable for retry_s (the daemon serves its local tiers).
     connect_timeout_s: float = 2.0
+    # Threads of the remote tier's own I/O pool (the chain gives it one, so that network waits
+    # never queue NVMe jobs behind them); also the most promotions from the store in flight.
+    io_threads: int = 4
     # Most keys in one Mooncake batch call; longer LOOKUP/GET/PUT batches are split.
     max_batch: int = 1024
     # Most names the tier remembers from existence checks (LRU), so that a LOOKUP followed by its
@@ -67,7 +70,7 @@ class RemoteConfig:
 
 _SIZE_KEYS = ("global_segment_bytes", "local_buffer_bytes")
 _FLOAT_KEYS = ("retry_s", "connect_timeout_s")
-_INT_KEYS = ("max_batch", "known_keys")
+_INT_KEYS = ("io_threads", "max_batch", "known_keys")
 _KEYS = tuple(RemoteConfig.__dataclass_fields__)
 
 
@@ -133,7 +136,7 @@ def _validate(cfg: RemoteConfig) -> None:
                           "'-', starting with a letter or digit")
     if cfg.local_buffer_bytes <= 0:
         raise ConfigError("remote.local_buffer_bytes", cfg.local_buffer_bytes, "a positive size")
-    for key in ("max_batch", "known_keys"):
+    for key in ("io_threads", "max_batch", "known_keys"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"remote.{key}", getattr(cfg, key), "a positive integer")
 

@@ -60,6 +60,7 @@ class RemoteTier(LowerTier):
         self.page_bytes = page_bytes
         self.store = store if store is not None else MooncakeStore(cfg)
         self.retry_s = cfg.retry_s
+        self.io_threads = cfg.io_threads  # its own pool: see LowerTier.io_threads
         self.on_drop = lambda entry: None
         self.known: OrderedDict[Hashable, ChunkEntry] = OrderedDict()
         self.pending: dict[Hashable, ChunkEntry] = {}
