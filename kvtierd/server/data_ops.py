@@ -6,10 +6,11 @@ abort if the copy failed or the session ended meanwhile. An item that finds the 
 demotions to NVMe are in flight is *parked* (not failed) and retried as pages come back, so a burst
 larger than the watermark headroom is slowed down, not refused.
 
-GET: a CPU hit is acquired and copied arena → staging. An NVMe hit is first promoted: arena pages
-are reserved, the NVMe read fills and verifies them (checksum), the chunk is committed to the arena
-(``on_nvme``: its NVMe copy stays), then copied out like a CPU hit. Per-item outcomes go into
-``results`` with a message per failure in ``errors``; one bad item never fails its neighbours.
+GET: a CPU hit is acquired and copied arena → staging. A hit in a lower tier (NVMe, remote) is
+first promoted: arena pages are reserved, the tier chain reads and verifies them and commits the
+chunk to the arena (its copy below stays), then it is copied out like a CPU hit. Per-item outcomes
+go into ``results`` with a message per failure in ``errors``; one bad item never fails its
+neighbours.
 
 Cost per item is what limits small chunks (at 16 KiB a memcpy takes ~3 µs), so the per-item path
 does only what is per item — validate, reserve or look up, queue the copy — and everything else
@@ -37,7 +38,7 @@ from kvtierd.protocol import MAX_KEY_BYTES, Op, ProtocolError, Status, Tier, rep
 from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.batch import MAX_JOB_BYTES, Batch, JobQueue, job_bytes
-from kvtierd.server.movement import TierMover
+from kvtierd.server.chain import TierChain
 from kvtierd.server.refusals import reserve_message
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.tenants import TenantTable
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 class DataOps:
-    def __init__(self, cfg: Config, mover: TierMover, sessions: SessionTable, engine: CopyEngine,
+    def __init__(self, cfg: Config, mover: TierChain, sessions: SessionTable, engine: CopyEngine,
                  metrics: DaemonMetrics, accounting: Accounting,
                  send: Callable[..., Any], tenants: TenantTable) -> None:
         self.cfg = cfg
@@ -75,9 +76,9 @@ class DataOps:
         queue = self._queue(batch, job_bytes(items, self.cfg.copy_threads))
         staging = session.staging
         limit = staging.nbytes if staging is not None else -1  # inline: the checked path below
-        # Without an NVMe tier and with shared staging (the common case), an item is one reserve
+        # Without lower tiers and with shared staging (the common case), an item is one reserve
         # and one queued copy, written out here: no call per item beyond the tier's.
-        fast = self.mover.nvme is None and staging is not None
+        fast = not self.mover.links and staging is not None
         space, fingerprint, owner = session.space, session.fingerprint, session.id
         reserve, pending, add = self.tier.reserve, session.pending.add, queue.add
         for i, (key, offset, nbytes) in enumerate(items):
@@ -106,9 +107,8 @@ class DataOps:
                       nbytes: int) -> None:
         session = batch.session
         ikey = (session.space, key)
-        nvme = self.mover.nvme
-        if nvme is not None:
-            below = nvme.index.get(ikey)
+        if self.mover.links:
+            below = self.mover.peek_below(ikey)
             if below is not None and ikey not in self.tier.index:
                 status = self._existing_below(below, session.fingerprint, nbytes)
                 if status is Status.EXISTS:
@@ -209,7 +209,7 @@ class DataOps:
     def _get_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
                   nbytes: int) -> None:
         session = batch.session
-        if self.mover.nvme is None:  # the mover's lookup without its NVMe step: one call less
+        if not self.mover.links:  # the chain's lookup without lower tiers: one call less
             status, entry = self.tier.lookup((session.space, key), session.fingerprint)
             tier = Tier.CPU
         else:
@@ -219,12 +219,12 @@ class DataOps:
         batch.ghost_keys.append(key)
         if entry is None:
             batch.results[i] = int(status)
-        elif entry.nbytes != nbytes:
+        elif entry.nbytes and entry.nbytes != nbytes:  # 0: a lower tier knows it by reading it
             batch.results[i] = int(Status.SIZE_MISMATCH)
-        elif tier is Tier.NVME:
+        elif tier is not Tier.CPU:
             if session.staging is None and not self._take_inline_budget(batch, i, nbytes):
                 return
-            self._promote(batch, i, entry, key, offset)
+            self._promote(batch, i, tier, entry, key, offset, nbytes)
         elif session.staging is None:
             if self._take_inline_budget(batch, i, nbytes):
                 self.tier.acquire(entry)
@@ -247,35 +247,33 @@ class DataOps:
         batch.inline_bytes += nbytes
         return True
 
-    def _promote(self, batch: Batch, i: int, source: ChunkEntry, key: bytes, offset: Any) -> None:
-        status, target = self.tier.reserve(source.ikey, source.fingerprint, source.nbytes, 0)
+    def _promote(self, batch: Batch, i: int, tier: Tier, source: ChunkEntry, key: bytes,
+                 offset: Any, nbytes: int) -> None:
+        status, target = self.tier.reserve(source.ikey, source.fingerprint, nbytes, 0)
         if target is None:
             if status is Status.NO_SPACE and self.mover.space_coming():
-                batch.parked.append((i, key, offset, source.nbytes))
+                batch.parked.append((i, key, offset, nbytes))
                 if batch.session.staging is None:  # taken again when the item is retried
-                    batch.session.inline_reply_bytes -= source.nbytes
-                    batch.inline_bytes -= source.nbytes
+                    batch.session.inline_reply_bytes -= nbytes
+                    batch.inline_bytes -= nbytes
                 return
-            why = (self._reserve_message(status, source.nbytes, batch.session.tenant)
+            why = (self._reserve_message(status, nbytes, batch.session.tenant)
                    if status is Status.QUOTA_EXCEEDED else "no room in the CPU tier")
-            batch.fail(i, status, f"cannot promote this NVMe chunk: {why}")
+            batch.fail(i, status, f"cannot promote this {tier.name.lower()} chunk: {why}")
             return
         batch.jobs_left += 1
         batch.session.in_flight += 1
-        self.mover.promote(source, target,
-                           partial(self._promoted, batch, i, source, target, offset))
+        self.mover.promote(tier, source, target, partial(self._promoted, batch, i, target, offset))
 
-    def _promoted(self, batch: Batch, i: int, source: ChunkEntry, target: ChunkEntry,
-                  offset: Any, ok: bool) -> None:
+    def _promoted(self, batch: Batch, i: int, target: ChunkEntry, offset: Any, ok: bool,
+                  why: str) -> None:
+        """The chain committed ``target`` (ok) or aborted it (failed its check, unreadable, or
+        DELETEd while being read)."""
         batch.session.in_flight -= 1
         batch.jobs_left -= 1
-        if not ok or source.doomed:  # failed its check, or DELETEd while being read
-            self.tier.abort(target)
-            batch.fail(i, Status.CHECKSUM_MISMATCH,
-                       "the NVMe copy failed its check or could not be read; dropped")
+        if not ok:
+            batch.fail(i, Status.CHECKSUM_MISMATCH, f"{why}; not served")
         else:
-            self.tier.commit(target, source.checksum)
-            target.on_nvme = True
             if not batch.session.closed:
                 self.tier.acquire(target)
                 if batch.session.staging is None:
@@ -378,9 +376,9 @@ class DataOps:
             batch.ghost_keys.append(entry.ikey[1])
             batch.ghost_nbytes.append(entry.nbytes)
         self._bytes_in.inc(stored)
-        if self.mover.write_through:
-            for _, entry, _ in job:
-                self.mover.after_commit(entry)
+        after_commit = self.mover.after_commit  # KV events and publishing, per chunk
+        for _, entry, _ in job:
+            after_commit(entry)
         self._feed_ghosts(batch)
 
     def _put_item_failed(self, batch: Batch, index: int, entry: ChunkEntry,
@@ -396,13 +394,14 @@ class DataOps:
 
     def _get_job_done(self, batch: Batch, job: list, corrupt: Any,
                       error: BaseException | None) -> None:
-        release = self.tier.release
+        release, after_read = self.tier.release, self.mover.after_read
         served = 0
         for pos, (index, entry, _) in enumerate(job):
             release(entry)
             if error is None and not (corrupt and pos in corrupt):
                 entry.verified = True
                 served += entry.nbytes
+                after_read(entry)  # the chain's admission filter counts reads
             else:
                 self._get_item_failed(batch, index, entry, error)
         self._bytes_out.inc(served)
@@ -414,8 +413,7 @@ class DataOps:
         if error is None:  # the chunk failed its first-read check
             self.metrics.integrity_failures.labels("cpu").inc()
             log.error("chunk %r failed its checksum after a warm restart; dropped", entry.ikey)
-            if self.tier.index.get(entry.ikey) is entry:
-                self.tier.delete(entry.ikey)
+            self.mover.drop_cpu(entry)
             batch.fail(index, Status.CHECKSUM_MISMATCH, "stored bytes failed their check")
         elif isinstance(error, CudaContextLost):
             batch.fail(index, Status.SHUTTING_DOWN, str(error))
