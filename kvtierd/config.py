@@ -73,8 +73,12 @@ class Config:
     # "write-back": chunks reach NVMe when the CPU tier evicts them; "write-through": every commit
     # is also written to NVMe at once.
     nvme_write_policy: str = "write-back"
-    # Threads doing NVMe reads/writes (bounded queue depth).
+    # Threads running NVMe jobs (a demotion batch: writes + fdatasync + index; a promotion: read +
+    # checksum).
     io_threads: int = 4
+    # Reads/writes in flight on the NVMe data file at most, across all jobs; each is <= 2 MiB (a
+    # larger chunk is cut into pieces), so one job keeps several requests at the device.
+    io_queue_depth: int = 8
     # Test-only: a JSON file naming errnos to inject into NVMe ops ({"write": "ENOSPC"}); empty = off.
     nvme_fault_file: str = ""
     # Register the arena with cudaHostRegister (in the background) when CUDA is present, so that
@@ -275,7 +279,7 @@ def _validate(cfg: Config) -> None:
     if cfg.nvme_bytes and cfg.nvme_bytes < cfg.page_bytes:
         raise ConfigError("nvme_bytes", cfg.nvme_bytes, f"0 (off) or at least page_bytes "
                           f"({cfg.page_bytes})")
-    for key in ("io_threads", "max_batch", "copy_threads", "max_header_bytes", "max_inline_bytes",
+    for key in ("io_threads", "io_queue_depth", "max_batch", "copy_threads", "max_header_bytes", "max_inline_bytes",
                 "max_staging_bytes", "max_connections", "max_sessions", "max_in_flight_requests",
                 "max_inline_reply_bytes"):
         if getattr(cfg, key) <= 0:
