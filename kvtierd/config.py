@@ -74,8 +74,9 @@ class Config:
     # is also written to NVMe at once.
     nvme_write_policy: str = "write-back"
     # Threads running NVMe jobs (a demotion batch: writes + fdatasync + index; a promotion: read +
-    # checksum).
-    io_threads: int = 4
+    # checksum). Promotions of chunks <= 2 MiB are one read each: as many threads as
+    # io_queue_depth keep the queue full.
+    io_threads: int = 8
     # Reads/writes in flight on the NVMe data file at most, across all jobs; each is <= 2 MiB (a
     # larger chunk is cut into pieces), so one job keeps several requests at the device.
     io_queue_depth: int = 8
