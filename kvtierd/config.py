@@ -280,9 +280,9 @@ def _validate(cfg: Config) -> None:
     if cfg.nvme_bytes and cfg.nvme_bytes < cfg.page_bytes:
         raise ConfigError("nvme_bytes", cfg.nvme_bytes, f"0 (off) or at least page_bytes "
                           f"({cfg.page_bytes})")
-    for key in ("io_threads", "io_queue_depth", "max_batch", "copy_threads", "max_header_bytes", "max_inline_bytes",
-                "max_staging_bytes", "max_connections", "max_sessions", "max_in_flight_requests",
-                "max_inline_reply_bytes"):
+    for key in ("io_threads", "io_queue_depth", "max_batch", "copy_threads", "max_header_bytes",
+                "max_inline_bytes", "max_staging_bytes", "max_connections", "max_sessions",
+                "max_in_flight_requests", "max_inline_reply_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, getattr(cfg, key), "a positive integer")
     if cfg.max_frame_bytes < max(cfg.max_inline_bytes, cfg.max_header_bytes):
