@@ -82,8 +82,13 @@ class Config:
     remote_publish: str = "on-commit"
     # Admission filter of the remote tier, as nvme_publish_after_reads.
     remote_publish_after_reads: int = 0
-    # Threads doing NVMe reads/writes (bounded queue depth).
-    io_threads: int = 4
+    # Threads running NVMe jobs (a demotion batch: writes + fdatasync + index; a promotion: read +
+    # checksum). Promotions of chunks <= 2 MiB are one read each: as many threads as
+    # io_queue_depth keep the queue full.
+    io_threads: int = 8
+    # Reads/writes in flight on the NVMe data file at most, across all jobs; each is <= 2 MiB (a
+    # larger chunk is cut into pieces), so one job keeps several requests at the device.
+    io_queue_depth: int = 8
     # Test-only: a JSON file naming errnos to inject into NVMe ops ({"write": "ENOSPC"}); empty = off.
     nvme_fault_file: str = ""
     # Register the arena with cudaHostRegister (in the background) when CUDA is present, so that
@@ -295,9 +300,9 @@ def _validate(cfg: Config) -> None:
     if cfg.nvme_bytes and cfg.nvme_bytes < cfg.page_bytes:
         raise ConfigError("nvme_bytes", cfg.nvme_bytes, f"0 (off) or at least page_bytes "
                           f"({cfg.page_bytes})")
-    for key in ("io_threads", "max_batch", "copy_threads", "max_header_bytes", "max_inline_bytes",
-                "max_staging_bytes", "max_connections", "max_sessions", "max_in_flight_requests",
-                "max_inline_reply_bytes"):
+    for key in ("io_threads", "io_queue_depth", "max_batch", "copy_threads", "max_header_bytes",
+                "max_inline_bytes", "max_staging_bytes", "max_connections", "max_sessions",
+                "max_in_flight_requests", "max_inline_reply_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, getattr(cfg, key), "a positive integer")
     if cfg.max_frame_bytes < max(cfg.max_inline_bytes, cfg.max_header_bytes):

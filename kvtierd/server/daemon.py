@@ -240,7 +240,8 @@ class Daemon:
             log.warning("NVMe fault injection is ON (%s): a test setting", fault_file)
         return NvmeLowerTier(cfg.resolved_nvme_dir(), cfg.nvme_bytes, cfg.page_bytes,
                              policy=cfg.eviction_policy, fault_file=fault_file,
-                             instance=cfg.instance_id, dir_mode=cfg.state_dir_bits)
+                             instance=cfg.instance_id, dir_mode=cfg.state_dir_bits,
+                             queue_depth=cfg.io_queue_depth)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
