@@ -41,6 +41,7 @@ _CONFIG_FLAGS = (
     ("--io-threads", "io_threads", "threads doing NVMe I/O"),
     ("--socket-mode", "socket_mode", "octal mode of the ipc and handshake sockets, e.g. 0660"),
     ("--handshake-socket", "handshake_socket", "path of the staging handshake socket"),
+    ("--events-addr", "events_addr", "KV-event PUB socket to bind: tcp://HOST:PORT, ipc://PATH"),
 )
 # Boolean keys are flags with a --no- form (argparse.BooleanOptionalAction).
 _BOOL_FLAGS = (

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvtierd.copy.engine import CopyEngine
+from kvtierd.events import NO_EVENTS, NoEvents
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import Status, Tier
 from kvtierd.tiers.chunk import ChunkEntry
@@ -56,6 +57,7 @@ class TierMover:
         self.metrics = metrics
         self.write_through = write_through and nvme is not None
         self.on_space: Callable[[], None] = lambda: None  # set by the handlers (parked PUTs)
+        self.events: NoEvents = NO_EVENTS  # kv-events hook: set by the daemon
         self._queued: dict[str, list[tuple[ChunkEntry, ChunkEntry]]] = {
             "demote": [], "write_through": []}
         if nvme is not None:
@@ -199,6 +201,7 @@ class TierMover:
                 self.nvme.abort(target)
                 continue
             self.nvme.commit(target)
+            self.events.stored(target.ikey, "nvme")  # kv-events hook
             if cpu_entry.doomed:  # DELETEd while being written: its row must go too
                 self.nvme.drop(target)
         if error is not None:
@@ -237,6 +240,7 @@ class TierMover:
         self.nvme.deleted(job.deleted)
 
     def _nvme_dropped(self, entry: ChunkEntry) -> None:
+        self.events.removed(entry.ikey, "nvme")  # kv-events hook
         cpu_entry = self.cpu.index.get(entry.ikey)
         if cpu_entry is not None:
             cpu_entry.on_nvme = False
