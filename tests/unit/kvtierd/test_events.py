@@ -53,12 +53,11 @@ def receive(sub: zmq.Socket, count: int) -> list[tuple[bytes, int, list]]:
 
 def subscribed(events: KVEvents) -> None:
     """Wait for the XPUB to see the subscription (else the first batches may precede it)."""
-    events._subscriptions()  # the thread is not started in these tests until it is asked to
-    for _ in range(200):
+    for _ in range(200):  # the thread is not started yet: read its XPUB here
+        events._pub.poll(50)
+        events._subscriptions()
         if events.counts()["subscribers"]:
             return
-        zmq.Poller().poll(50)
-        events._subscriptions()
     raise AssertionError("subscription never seen")
 
 
