@@ -257,3 +257,33 @@ def test_an_events_address_that_cannot_be_bound_fails_the_start_before_the_arena
     assert "events_addr" in proc.stderr and str(port) in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not Path(f"/dev/shm/{arena}").exists()
+
+
+def test_the_client_library_announces_its_prefix_hashes(events_daemon, kv_events):
+    """KVTierClient learns from HELLO that the daemon publishes events and sends each chunk's
+    prefix hashes (one per tokens_per_hash) and parent: the chain a router follows."""
+    import torch
+    from helpers.kv import blocks_needed, random_kv, random_tokens, simple_layout
+
+    from kvtier_client import KVTierClient
+    from kvtier_client.hashing import prefix_hashes
+
+    d = events_daemon
+    sub = Subscriber(d.events_addr, kv_events, d)
+    gen = torch.Generator().manual_seed(13)
+    layout = simple_layout(page_bytes=4096, model="events-client")
+    tokens = random_tokens(gen, 3 * 64 + 7)  # three chunks of 4 blocks x 16 tokens
+    chunks = layout.plan(tokens, [list(range(blocks_needed(layout, len(tokens))[0]))])
+    kv = random_kv(layout, blocks_needed(layout, len(tokens)), gen)
+    try:
+        with KVTierClient.connect(d.address, layout=layout, kv_caches=kv) as client:
+            assert client.store(chunks).result(timeout=30) == [True] * 3
+        chain = prefix_hashes(tokens, 16)
+        for c in range(3):
+            event = sub.wait(lambda e, c=c: isinstance(e, kv_events.BlockStored)
+                             and e.block_hashes == chain[4 * c:4 * c + 4], f"chunk {c} announced")
+            assert event.parent_block_hash == (chain[4 * c - 1] if c else None)
+            assert (event.medium, event.group_idx, event.token_ids) == ("CPU", 0, [])
+        assert {t for t, _ in sub.events} == {f"kv@{NODE}@events-client".encode()}
+    finally:
+        sub.close()
