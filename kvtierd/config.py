@@ -163,6 +163,10 @@ class Config:
     events_max_queued_batches: int = 10000
     # Batches kept for replay.
     events_replay_batches: int = 10000
+    # Publish block hashes as uint64 (the hash's last 8 bytes, big-endian), as vLLM does by default
+    # (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), so they match the engines' own events; Dynamo's
+    # relay decodes only ints. Off: the bytes the client sent.
+    events_int_hashes: bool = True
 
     @property
     def cpu_pages(self) -> int:

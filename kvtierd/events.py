@@ -27,6 +27,11 @@ batch from it, then ``[b"", seq -1, b""]`` (vLLM's replay protocol, for subscrib
 llm-d weighs 0.8 by default), the NVMe tier ``STORAGE`` (vLLM's name for its local disk tier),
 the remote tier ``REMOTE``; ``locality`` says ``LOCAL``/``REMOTE`` as vLLM 0.32's offloading does.
 
+**Hashes** are published as vLLM publishes its own by default
+(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): a bytes hash becomes the uint64 of its last 8 bytes,
+so that kvtierd's events name a block exactly as the engine's GPU events do (llm-d maps engine
+keys to its own; Dynamo's relay decodes only ints). ``events_int_hashes = false`` sends the bytes.
+
 **What is announced**: a chunk of rank 0 when it becomes readable in a tier (PUT commit,
 promotion, NVMe write), and its removal from that tier (eviction, demotion, DELETE, a failed
 check, an NVMe drop) when any rank's copy of it leaves (a prefix needs every rank). Hashes come
@@ -89,12 +94,13 @@ class EventsSettings:
     node: str = ""
     max_queued_batches: int = 10_000
     replay_batches: int = 10_000
+    int_hashes: bool = True
 
     @classmethod
     def from_config(cls, cfg: Any) -> EventsSettings:
         return cls(cfg.events_addr, cfg.events_replay_addr, cfg.events_topic,
                    cfg.events_node or socket.gethostname(), cfg.events_max_queued_batches,
-                   cfg.events_replay_batches)
+                   cfg.events_replay_batches, cfg.events_int_hashes)
 
 
 class NoEvents:
@@ -125,10 +131,18 @@ class NoEvents:
 NO_EVENTS = NoEvents()
 
 
-def stored_event(info: BlockInfo, tier: str) -> dict:
+def wire_hash(value: Any, as_int: bool) -> Any:
+    """A block hash as vLLM publishes it: with ``as_int`` (vLLM's default), a bytes hash becomes
+    the uint64 of its last 8 bytes (``maybe_convert_block_hash``); ints and None pass."""
+    if as_int and isinstance(value, bytes):
+        return int.from_bytes(value, "big") & (2**64 - 1)
+    return value
+
+
+def stored_event(info: BlockInfo, tier: str, as_int: bool = False) -> dict:
     medium, locality = MEDIA[tier]
-    event = {"type": "BlockStored", "block_hashes": list(info.hashes),
-             "parent_block_hash": info.parent, "token_ids": list(info.tokens),
+    event = {"type": "BlockStored", "block_hashes": [wire_hash(h, as_int) for h in info.hashes],
+             "parent_block_hash": wire_hash(info.parent, as_int), "token_ids": list(info.tokens),
              "block_size": info.block_size, "lora_id": None, "medium": medium, "lora_name": None}
     if info.group is not None:
         event["group_idx"] = info.group
@@ -136,9 +150,10 @@ def stored_event(info: BlockInfo, tier: str) -> dict:
     return event
 
 
-def removed_event(info: BlockInfo, tier: str) -> dict:
+def removed_event(info: BlockInfo, tier: str, as_int: bool = False) -> dict:
     medium, locality = MEDIA[tier]
-    event: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": list(info.hashes),
+    event: dict[str, Any] = {"type": "BlockRemoved",
+                             "block_hashes": [wire_hash(h, as_int) for h in info.hashes],
                              "medium": medium}
     if info.group is not None:
         event["group_idx"] = info.group
@@ -207,7 +222,8 @@ class KVEvents(NoEvents):
             info = next((self._announced[other] for t in MEDIA
                          if (other := (t, tenant, namespace, key)) in self._announced), None)
         self._announced[ident] = info.without_tokens() if info is not None else None
-        self._add(namespace, stored_event(info or BlockInfo((key,)), tier), "stored")
+        event = stored_event(info or BlockInfo((key,)), tier, self.settings.int_hashes)
+        self._add(namespace, event, "stored")
 
     def removed(self, ikey: Hashable, tier: str) -> None:
         """Any rank's copy of a chunk left ``tier``: the prefix is no longer whole there."""
@@ -216,7 +232,8 @@ class KVEvents(NoEvents):
         if ident not in self._announced:
             return
         info = self._announced.pop(ident)
-        self._add(namespace, removed_event(info or BlockInfo((key,)), tier), "removed")
+        event = removed_event(info or BlockInfo((key,)), tier, self.settings.int_hashes)
+        self._add(namespace, event, "removed")
 
     def cleared(self) -> None:
         """Everything announced before is void (sent at start: on the topic of no model, which a

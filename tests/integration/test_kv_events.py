@@ -40,6 +40,12 @@ def kv_events():
     return pytest.importorskip("vllm.distributed.kv_events")
 
 
+def kv_utils():
+    """vLLM's own hash naming (maybe_convert_block_hash), to compare ours with."""
+    from vllm.v1.core import kv_cache_utils
+    return kv_cache_utils
+
+
 class Subscriber:
     """A SUB socket on the daemon's events, decoding every batch with vLLM's KVEventBatch."""
 
@@ -101,6 +107,11 @@ def h(n: int) -> bytes:
     return n.to_bytes(4, "big") * 8
 
 
+def w(*hashes: bytes) -> list[int]:
+    """The hashes as published (events_int_hashes, the default): vLLM's uint64 naming."""
+    return [int.from_bytes(x, "big") & (2**64 - 1) for x in hashes]
+
+
 @pytest.fixture
 def events_daemon(daemon_factory, tmp_path):
     sock_dir = Path(tmp_path) / "ev"
@@ -131,15 +142,16 @@ def test_every_store_and_removal_is_published_in_vllms_format(events_daemon, kv_
         assert rep["results"][:3] == [Status.OK] * 3 and rep["results"][3] == Status.BAD_REQUEST
         assert "blocks[3]" in rep["errors"][0][2] and "block_size" in rep["errors"][0][2]
 
-        a = sub.wait(lambda e: type(e).__name__ == "BlockStored" and e.block_hashes == [h(1), h(2)],
+        a = sub.wait(lambda e: type(e).__name__ == "BlockStored" and e.block_hashes == w(h(1), h(2)),
                      "BlockStored of chunk a")
         assert (a.parent_block_hash, a.token_ids, a.block_size, a.group_idx, a.medium,
-                a.locality) == (h(0), tokens, 16, 0, "CPU", "LOCAL")
-        b = sub.wait(lambda e: getattr(e, "block_hashes", None) == [h(3)], "BlockStored of b")
+                a.locality) == (w(h(0))[0], tokens, 16, 0, "CPU", "LOCAL")
+        assert a.block_hashes == [kv_utils().maybe_convert_block_hash(x) for x in (h(1), h(2))]
+        b = sub.wait(lambda e: getattr(e, "block_hashes", None) == w(h(3)), "BlockStored of b")
         assert (b.token_ids, b.block_size, b.group_idx, b.medium) == ([], 0, 1, "CPU")
-        c = sub.wait(lambda e: getattr(e, "block_hashes", None) == [b"c"], "BlockStored of c")
+        c = sub.wait(lambda e: getattr(e, "block_hashes", None) == w(b"c"), "BlockStored of c")
         assert isinstance(c, kv_events.BlockStored) and c.medium == "CPU"
-        assert not sub.of("BlockStored", [h(4)], "CPU"), "a refused item was announced"
+        assert not sub.of("BlockStored", w(h(4)), "CPU"), "a refused item was announced"
         topics = {t for t, _ in sub.events}
         assert topics == {f"kv@{NODE}@{MODEL}".encode()}, topics
 
@@ -147,7 +159,7 @@ def test_every_store_and_removal_is_published_in_vllms_format(events_daemon, kv_
         put(raw1, {b"a": payload(b"a1", PAGE)})
         rep, _ = raw1.request(Op.DELETE, keys=[b"a"])
         assert rep["results"] == [Status.OK]
-        sub.wait(lambda e: isinstance(e, kv_events.BlockRemoved) and e.block_hashes == [h(1), h(2)],
+        sub.wait(lambda e: isinstance(e, kv_events.BlockRemoved) and e.block_hashes == w(h(1), h(2)),
                  "BlockRemoved of a (rank 1's copy deleted)")
         rep, _ = raw.request(Op.DELETE, keys=[b"a"])
         assert rep["results"] == [Status.OK]
@@ -156,19 +168,19 @@ def test_every_store_and_removal_is_published_in_vllms_format(events_daemon, kv_
         fill = {f"f{i:02d}".encode(): payload(i, PAGE) for i in range(16)}
         put(raw, fill, blocks=[{"hashes": [h(100 + i)]} for i in range(16)])
         wait_settled(d)
-        assert sub.wait(lambda e: getattr(e, "block_hashes", None) == [h(3)]
+        assert sub.wait(lambda e: getattr(e, "block_hashes", None) == w(h(3))
                         and isinstance(e, kv_events.BlockStored) and e.medium == "STORAGE",
                         "b stored on STORAGE").group_idx == 1  # what the PUT said, kept
-        sub.wait(lambda e: isinstance(e, kv_events.BlockRemoved) and e.block_hashes == [h(3)]
+        sub.wait(lambda e: isinstance(e, kv_events.BlockRemoved) and e.block_hashes == w(h(3))
                  and e.medium == "CPU", "b removed from CPU after its demotion")
         rep, _ = raw.request(Op.LOOKUP, keys=[b"b", b"c"])
         assert rep["tiers"] == [Tier.NVME, Tier.NVME], rep
 
         # A GET promotes b back: stored on CPU again, with its hashes.
-        before = len(sub.of("BlockStored", [h(3)], "CPU"))
+        before = len(sub.of("BlockStored", w(h(3)), "CPU"))
         rep, frames = raw.request(Op.GET, items=[[b"b", 0, PAGE]])
         assert rep["results"] == [Status.OK] and frames[0] == data[b"b"]
-        wait_for(lambda: len(sub.of("BlockStored", [h(3)], "CPU")) > before, 30,
+        wait_for(lambda: len(sub.of("BlockStored", w(h(3)), "CPU")) > before, 30,
                  "b stored on CPU again after its promotion")
 
         # A flipped byte on NVMe: the read fails its check, the chunk is dropped from STORAGE.
@@ -176,14 +188,14 @@ def test_every_store_and_removal_is_published_in_vllms_format(events_daemon, kv_
         flip_byte(d.workdir / "nvme" / "chunks.data", PAGE, rows[(NS, 0, b"c")]["runs"])
         rep, _ = raw.request(Op.GET, items=[[b"c", 0, PAGE]])
         assert rep["results"] == [Status.CHECKSUM_MISMATCH], rep
-        sub.wait(lambda e: isinstance(e, kv_events.BlockRemoved) and e.block_hashes == [b"c"]
+        sub.wait(lambda e: isinstance(e, kv_events.BlockRemoved) and e.block_hashes == w(b"c")
                  and e.medium == "STORAGE", "c removed from STORAGE after its failed check")
 
         # DELETE of a chunk on both tiers: removed from both.
         rep, _ = raw.request(Op.DELETE, keys=[b"b"])
         assert rep["results"] == [Status.OK]
         for medium in ("CPU", "STORAGE"):
-            wait_for(lambda m=medium: sub.of("BlockRemoved", [h(3)], m), 30,
+            wait_for(lambda m=medium: sub.of("BlockRemoved", w(h(3)), m), 30,
                      f"b removed from {medium} by DELETE")
         wait_settled(d)
         sub.drain()
@@ -204,7 +216,7 @@ def test_replay_returns_the_start_clear_and_every_batch_since(events_daemon, kv_
     raw = hello(d.address)
     try:
         put(raw, {b"r1": payload(b"r1", PAGE)}, blocks=[{"hashes": [h(7)]}])
-        sub.wait(lambda e: getattr(e, "block_hashes", None) == [h(7)], "BlockStored of r1")
+        sub.wait(lambda e: getattr(e, "block_hashes", None) == w(h(7)), "BlockStored of r1")
         # vLLM's protocol: [b"", start] in, [b"", topic, seq, payload] per batch out, then
         # [b"", b"", -1, b""]; a DEALER reads the whole stream (a REQ only its first message).
         req = zmq.Context.instance().socket(zmq.DEALER)
@@ -230,7 +242,7 @@ def test_replay_returns_the_start_clear_and_every_batch_since(events_daemon, kv_
     assert replayed[0][1] == 0 and replayed[0][0] == f"kv@{NODE}@".encode()
     assert [type(e).__name__ for e in replayed[0][2]] == ["AllBlocksCleared"]
     assert [s for _, s, _ in replayed] == list(range(len(replayed)))
-    assert any(getattr(e, "block_hashes", None) == [h(7)] for _, _, es in replayed for e in es)
+    assert any(getattr(e, "block_hashes", None) == w(h(7)) for _, _, es in replayed for e in es)
 
 
 def test_events_are_off_by_default(daemon):
@@ -281,8 +293,9 @@ def test_the_client_library_announces_its_prefix_hashes(events_daemon, kv_events
         chain = prefix_hashes(tokens, 16)
         for c in range(3):
             event = sub.wait(lambda e, c=c: isinstance(e, kv_events.BlockStored)
-                             and e.block_hashes == chain[4 * c:4 * c + 4], f"chunk {c} announced")
-            assert event.parent_block_hash == (chain[4 * c - 1] if c else None)
+                             and e.block_hashes == w(*chain[4 * c:4 * c + 4]),
+                             f"chunk {c} announced")
+            assert event.parent_block_hash == (w(chain[4 * c - 1])[0] if c else None)
             assert (event.medium, event.group_idx, event.token_ids) == ("CPU", 0, [])
         assert {t for t, _ in sub.events} == {f"kv@{NODE}@events-client".encode()}
     finally:

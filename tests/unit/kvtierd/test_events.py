@@ -25,6 +25,7 @@ def publisher(tmp_path):
     made = []
 
     def make(**kw) -> tuple[KVEvents, zmq.Socket]:
+        kw.setdefault("int_hashes", False)  # bytes on the wire: easier to compare
         events = KVEvents(EventsSettings(f"ipc://{tmp_path / f'ev{len(made)}.sock'}", node="n",
                                          **kw))
         sub = zmq.Context.instance().socket(zmq.SUB)
@@ -167,3 +168,19 @@ def test_events_config_accepts_vllms_endpoints():
     cfg = resolve_config(env={}, overrides={"events_addr": "tcp://*:5557",
                                             "events_replay_addr": "tcp://*:5558"}).config
     assert (cfg.events_addr, cfg.events_replay_addr) == ("tcp://*:5557", "tcp://*:5558")
+
+
+def test_hashes_are_published_as_vllm_names_them_by_default():
+    from kvtierd.events import removed_event, stored_event, wire_hash
+
+    digest = bytes(range(32))
+    assert wire_hash(digest, True) == int.from_bytes(digest[-8:], "big")
+    assert wire_hash(7, True) == 7 and wire_hash(None, True) is None
+    info = BlockInfo((digest,), digest, (), 0, 2)
+    assert stored_event(info, "nvme", True)["block_hashes"] == [int.from_bytes(digest[-8:], "big")]
+    assert stored_event(info, "nvme", True)["parent_block_hash"] == int.from_bytes(digest[-8:],
+                                                                                    "big")
+    assert removed_event(info, "remote", False) == {
+        "type": "BlockRemoved", "block_hashes": [digest], "medium": "REMOTE", "group_idx": 2,
+        "locality": "REMOTE"}
+    assert EventsSettings("ipc:///x").int_hashes  # the default, like vLLM's
