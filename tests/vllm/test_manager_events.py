@@ -120,3 +120,40 @@ def test_take_events_reports_stores_and_the_daemons_later_moves(daemon_factory, 
     finally:
         manager.shutdown()
         quiet.shutdown()
+
+
+DECODE_033 = """
+import sys, msgspec
+from vllm.distributed.kv_events import KVEventBatch
+import vllm
+batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(sys.stdin.buffer.read())
+print(vllm.__version__, [type(e).__name__ for e in batch.events], batch.events[0].block_hashes,
+      batch.events[0].medium, batch.events[1].group_idx, batch.events[0].lookahead_token_ids)
+"""
+
+
+@pytest.mark.slow  # imports vLLM 0.33 in a child process (tens of seconds on 2 cores)
+def test_vllm_033_decodes_the_daemons_batches_with_its_own_classes():
+    """0.33 added a BlockStored field: the daemon's map-encoded events still decode there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import msgpack
+
+    from kvtierd.event_blocks import BlockInfo
+    from kvtierd.events import removed_event, stored_event
+
+    site = Path(__file__).resolve().parents[2] / ".cache" / "vllm-0.33.0-site"
+    if not (site / "vllm" / "distributed" / "kv_events.py").exists():
+        pytest.skip(f"vLLM 0.33 is not unpacked at {site} (test_vllm_contract makes it)")
+    info = BlockInfo((b"\x01" * 32,), None, tuple(range(16)), 16, 1)
+    payload = msgpack.packb([1.5, [stored_event(info, "cpu", True), removed_event(info, "nvme"),
+                                   {"type": "AllBlocksCleared"}], 0])
+    out = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(site)!r})"
+                          + DECODE_033], input=payload, capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    line = out.stdout.decode().strip().splitlines()[-1]
+    named = int.from_bytes(bytes([1]) * 8, "big")
+    assert line == (f"0.33.0 ['BlockStored', 'BlockRemoved', 'AllBlocksCleared'] "
+                    f"[{named}] CPU 1 None"), line
