@@ -192,7 +192,7 @@ class KVEvents(NoEvents):
             settings.max_queued_batches)
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=settings.replay_batches)
         self._thread = threading.Thread(target=self._run, name="kvtierd-events", daemon=True)
-        self._pending: defaultdict[str, list] = defaultdict(list)  # topic → this iteration's events
+        self._pending: defaultdict[str, list] = defaultdict(list)  # namespace: events
         self._pending_kinds: Counter[str] = Counter()
         # (tier, tenant, namespace, key) → what was announced (None: the key stood in).
         self._announced: dict[tuple, BlockInfo | None] = {}
@@ -211,7 +211,7 @@ class KVEvents(NoEvents):
         log.info("KV events on %s (topic %s, replay %s)", self.settings.addr, self.settings.topic,
                  self.settings.replay_addr or "off")
 
-    # -- hooks: request loop thread only ------------------------------------------------------------
+    # -- hooks: request loop thread only ----------------------------------------------------------
     def stored(self, ikey: Hashable, tier: str, info: BlockInfo | None = None) -> None:
         """A chunk became readable in ``tier``; announced for rank 0, once per tier."""
         (tenant, namespace, rank), key = ikey  # type: ignore[misc]
@@ -296,7 +296,7 @@ class KVEvents(NoEvents):
                 sock.close(linger=0)
         self._ctx.term()
 
-    # -- publisher thread ---------------------------------------------------------------------------
+    # -- publisher thread -------------------------------------------------------------------------
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pub, zmq.POLLIN)

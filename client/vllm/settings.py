@@ -29,7 +29,7 @@ class KVTierSettings:
     layout_dir: str = "/dev/shm"  # kvtierd_layout_dir: where workers publish their layout
     staging_bytes: int = 0  # kvtierd_staging_bytes: worker staging buffer; 0 = client default
     # kvtierd_events_address: the daemon's events_addr (tcp:// or ipc://); with vLLM's KV events
-    # on, the manager reads it to report demotions and removals of what it stored (client.vllm.events)
+    # on, the manager reads it to report demotions and removals of its stores (client.vllm.events)
     events_address: str = ""
 
     @classmethod

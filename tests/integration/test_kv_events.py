@@ -142,7 +142,8 @@ def test_every_store_and_removal_is_published_in_vllms_format(events_daemon, kv_
         assert rep["results"][:3] == [Status.OK] * 3 and rep["results"][3] == Status.BAD_REQUEST
         assert "blocks[3]" in rep["errors"][0][2] and "block_size" in rep["errors"][0][2]
 
-        a = sub.wait(lambda e: type(e).__name__ == "BlockStored" and e.block_hashes == w(h(1), h(2)),
+        a = sub.wait(lambda e: isinstance(e, kv_events.BlockStored)
+                     and e.block_hashes == w(h(1), h(2)),
                      "BlockStored of chunk a")
         assert (a.parent_block_hash, a.token_ids, a.block_size, a.group_idx, a.medium,
                 a.locality) == (w(h(0))[0], tokens, 16, 0, "CPU", "LOCAL")
@@ -159,7 +160,8 @@ def test_every_store_and_removal_is_published_in_vllms_format(events_daemon, kv_
         put(raw1, {b"a": payload(b"a1", PAGE)})
         rep, _ = raw1.request(Op.DELETE, keys=[b"a"])
         assert rep["results"] == [Status.OK]
-        sub.wait(lambda e: isinstance(e, kv_events.BlockRemoved) and e.block_hashes == w(h(1), h(2)),
+        sub.wait(lambda e: isinstance(e, kv_events.BlockRemoved)
+                 and e.block_hashes == w(h(1), h(2)),
                  "BlockRemoved of a (rank 1's copy deleted)")
         rep, _ = raw.request(Op.DELETE, keys=[b"a"])
         assert rep["results"] == [Status.OK]
