@@ -36,8 +36,9 @@ keys to its own; Dynamo's relay decodes only ints). ``events_int_hashes = false`
 promotion, NVMe write), and its removal from that tier (eviction, demotion, DELETE, a failed
 check, an NVMe drop) when any rank's copy of it leaves (a prefix needs every rank). Hashes come
 from the PUT's ``blocks`` field (``kvtierd.event_blocks``); without it the chunk key stands in.
-Each start sends ``AllBlocksCleared`` first: what an earlier run said is void (its sequence
-numbers and tracking are gone; chunks recovered from NVMe are served, not re-announced).
+Each start sends ``AllBlocksCleared`` first, and each clean stop last: what a run said is void
+after it (its sequence numbers and tracking are gone; chunks recovered from NVMe are served, not
+re-announced).
 
 **Threads**: the request loop only appends to lists and dicts (``stored``/``removed``) and, once
 per iteration, ``flush`` hands one batch per topic to a bounded queue; the publisher thread
@@ -74,6 +75,7 @@ PUB_HWM = 100_000  # messages libzmq queues per subscriber before dropping for i
 DROP_REASONS = ("queue_full", "send_failed", "publisher_down")
 KINDS = ("stored", "removed", "cleared")
 _POLL_S = 0.05
+CLOSE_LINGER_MS = 500  # at stop, for the last batches to reach subscribers
 
 
 class EventsBindError(OSError):
@@ -285,15 +287,18 @@ class KVEvents(NoEvents):
 
     def close(self) -> None:
         self.flush()
-        if self._started and self._thread.is_alive():
+        sent = self._started and self._thread.is_alive()
+        if sent:
             self._queue.put(None)  # after everything queued: the thread sends those first
             self._thread.join(timeout=2.0)
-        self._close_sockets()
+        self._close_sockets(linger_ms=CLOSE_LINGER_MS if sent else 0)
 
-    def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
-            if sock is not None:
-                sock.close(linger=0)
+    def _close_sockets(self, linger_ms: int = 0) -> None:
+        """With ``linger_ms``, libzmq gets that long to hand the last batches (the stop's
+        AllBlocksCleared) to subscribers; never longer, whatever they do."""
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        self._pub.close(linger=linger_ms)
         self._ctx.term()
 
     # -- publisher thread -------------------------------------------------------------------------

@@ -398,6 +398,7 @@ class Daemon:
         self.io_engine.close()
         if self.nvme is not None:
             self.nvme.close()
+        self.events.cleared()  # kv-events hook: what it announced goes with it (or is unknown)
         self.events.close()
         self._close_sockets()
         self.metrics.close()

@@ -11,6 +11,7 @@ the coldest chunks are demoted to NVMe (stored on STORAGE, then removed from CPU
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -219,6 +220,11 @@ def test_replay_returns_the_start_clear_and_every_batch_since(events_daemon, kv_
     try:
         put(raw, {b"r1": payload(b"r1", PAGE)}, blocks=[{"hashes": [h(7)]}])
         sub.wait(lambda e: getattr(e, "block_hashes", None) == w(h(7)), "BlockStored of r1")
+        # The field itself is checked too: one entry per item, or nil.
+        for bad in ([None, None], {"hashes": [h(8)]}):
+            rep, _ = raw.request(Op.PUT, frames=[payload(b"r2", PAGE)],
+                                 items=[[b"r2", 0, PAGE]], blocks=bad)
+            assert rep["name"] == "BAD_REQUEST" and "'blocks'" in rep["message"], rep
         # vLLM's protocol: [b"", start] in, [b"", topic, seq, payload] per batch out, then
         # [b"", b"", -1, b""]; a DEALER reads the whole stream (a REQ only its first message).
         req = zmq.Context.instance().socket(zmq.DEALER)
@@ -242,9 +248,30 @@ def test_replay_returns_the_start_clear_and_every_batch_since(events_daemon, kv_
         raw.close()
         sub.close()
     assert replayed[0][1] == 0 and replayed[0][0] == f"kv@{NODE}@".encode()
+    assert "AllBlocksCleared" not in [type(e).__name__ for _, _, es in replayed[1:] for e in es]
     assert [type(e).__name__ for e in replayed[0][2]] == ["AllBlocksCleared"]
     assert [s for _, s, _ in replayed] == list(range(len(replayed)))
     assert any(getattr(e, "block_hashes", None) == w(h(7)) for _, _, es in replayed for e in es)
+
+
+def test_a_clean_stop_says_all_blocks_cleared_last(events_daemon, kv_events):
+    d = events_daemon
+    sub = Subscriber(d.events_addr, kv_events, d)
+    raw = hello(d.address)
+    try:
+        put(raw, {b"s1": payload(b"s1", PAGE)})
+        sub.wait(lambda e: getattr(e, "block_hashes", None) == w(b"s1"), "BlockStored of s1")
+    finally:
+        raw.close()
+    d.check()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=30) == 0, d.log()
+    try:
+        sub.wait(lambda e: isinstance(e, kv_events.AllBlocksCleared), "AllBlocksCleared at stop")
+        assert isinstance(sub.events[-1][1], kv_events.AllBlocksCleared)
+    finally:
+        sub.close()
+    assert "Traceback" not in d.log()
 
 
 def test_events_are_off_by_default(daemon):
