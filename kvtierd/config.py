@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 from kvtierd.config_error import ConfigError
 from kvtierd.config_events import validate_events
+from kvtierd.config_remote import RemoteConfig, parse_remote
 from kvtierd.config_tenants import TenantConfig, parse_tenants
 from kvtierd.paths import default_runtime_dir, default_socket
 from kvtierd.sizes import parse_size
@@ -74,6 +75,14 @@ class Config:
     # "write-back": chunks reach NVMe when the CPU tier evicts them; "write-through": every commit
     # is also written to NVMe at once.
     nvme_write_policy: str = "write-back"
+    # Admission filter of the NVMe tier: a chunk is written there only once it was read (GET) this
+    # many times (vLLM's store_threshold); 0 = every chunk.
+    nvme_publish_after_reads: int = 0
+    # When chunks reach the remote tier (when one is configured): "on-commit" (every committed
+    # chunk, asynchronously) or "on-evict" (only what leaves the local tiers).
+    remote_publish: str = "on-commit"
+    # Admission filter of the remote tier, as nvme_publish_after_reads.
+    remote_publish_after_reads: int = 0
     # Threads doing NVMe reads/writes (bounded queue depth).
     io_threads: int = 4
     # Test-only: a JSON file naming errnos to inject into NVMe ops ({"write": "ENOSPC"}); empty = off.
@@ -167,6 +176,9 @@ class Config:
     # (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), so they match the engines' own events; Dynamo's
     # relay decodes only ints. Off: the bytes the client sent.
     events_int_hashes: bool = True
+    # The remote tier on a Mooncake Store ([remote] table of the TOML file only; see
+    # kvtierd.config_remote and README "Across nodes"). None: no remote tier.
+    remote: RemoteConfig | None = None
 
     @property
     def cpu_pages(self) -> int:
@@ -230,7 +242,7 @@ _SIZE_KEYS = {
     "nvme_bytes",
     "tenant_max_bytes",
 }
-_TABLE_KEYS = {"tenants"}  # TOML tables: file only (no env variable or flag can express them)
+_TABLE_KEYS = {"tenants", "remote"}  # TOML tables: file only (no env variable or flag can express them)
 _FIELD_TYPES = {f.name: f.type for f in fields(Config)}
 
 
@@ -238,6 +250,8 @@ def _coerce(key: str, value: Any) -> Any:
     kind = _FIELD_TYPES[key]
     if key == "tenants":
         return parse_tenants(value)
+    if key == "remote":
+        return parse_remote(value)
     try:
         if key in _SIZE_KEYS:
             return parse_size(value)
@@ -293,6 +307,12 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(key, getattr(cfg, key), "a positive number of seconds")
     if cfg.nvme_write_policy not in ("write-back", "write-through"):
         raise ConfigError("nvme_write_policy", cfg.nvme_write_policy, "write-back, write-through")
+    if cfg.remote_publish not in ("on-commit", "on-evict"):
+        raise ConfigError("remote_publish", cfg.remote_publish, "on-commit, on-evict")
+    for key in ("nvme_publish_after_reads", "remote_publish_after_reads"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(key, getattr(cfg, key), "0 (every chunk) or a positive number of "
+                              "reads")
     if cfg.nvme_bytes and cfg.nvme_bytes < cfg.page_bytes:
         raise ConfigError("nvme_bytes", cfg.nvme_bytes, f"0 (off) or at least page_bytes "
                           f"({cfg.page_bytes})")

@@ -369,6 +369,22 @@ class KVEvents(NoEvents):
                 log.warning("replay to a subscriber cut short: %s", exc)
 
 
+class ChainEventsAdapter:
+    """The tier chain's ``ChainEvents`` hooks (``stored``/``dropped`` of ``(tier, entry)``, for
+    every tier: cpu, nvme, remote) feeding the publisher."""
+
+    def __init__(self, events: NoEvents) -> None:
+        self._events = events
+
+    def stored(self, tier: str, entry: Any) -> None:
+        if tier in MEDIA:
+            self._events.stored(entry.ikey, tier)
+
+    def dropped(self, tier: str, entry: Any) -> None:
+        if tier in MEDIA:
+            self._events.removed(entry.ikey, tier)
+
+
 def make_events(cfg: Any) -> NoEvents:
     """The daemon's events object: bound now when ``events_addr`` is set, else the no-op."""
     return KVEvents(EventsSettings.from_config(cfg)) if cfg.events_addr else NO_EVENTS

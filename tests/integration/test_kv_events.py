@@ -75,7 +75,7 @@ class Subscriber:
         def found():
             self.drain()
             return next((e for t, e in self.events if predicate(e)), None)
-        return wait_for(found, 30, what)
+        return wait_for(found, 90, what)  # generous: CI machines are loaded
 
     def of(self, kind: str, hashes: list, medium: str) -> list:
         self.drain()
@@ -183,7 +183,7 @@ def test_every_store_and_removal_is_published_in_vllms_format(events_daemon, kv_
         before = len(sub.of("BlockStored", w(h(3)), "CPU"))
         rep, frames = raw.request(Op.GET, items=[[b"b", 0, PAGE]])
         assert rep["results"] == [Status.OK] and frames[0] == data[b"b"]
-        wait_for(lambda: len(sub.of("BlockStored", w(h(3)), "CPU")) > before, 30,
+        wait_for(lambda: len(sub.of("BlockStored", w(h(3)), "CPU")) > before, 90,
                  "b stored on CPU again after its promotion")
 
         # A flipped byte on NVMe: the read fails its check, the chunk is dropped from STORAGE.
@@ -198,7 +198,7 @@ def test_every_store_and_removal_is_published_in_vllms_format(events_daemon, kv_
         rep, _ = raw.request(Op.DELETE, keys=[b"b"])
         assert rep["results"] == [Status.OK]
         for medium in ("CPU", "STORAGE"):
-            wait_for(lambda m=medium: sub.of("BlockRemoved", w(h(3)), m), 30,
+            wait_for(lambda m=medium: sub.of("BlockRemoved", w(h(3)), m), 90,
                      f"b removed from {medium} by DELETE")
         wait_settled(d)
         sub.drain()

@@ -62,7 +62,7 @@ def collect(manager, until, what: str) -> list:
     def done():
         got.extend(manager.take_events())
         return until(got)
-    wait_for(done, 30, what)
+    wait_for(done, 90, what)
     return got
 
 
