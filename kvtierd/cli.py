@@ -42,6 +42,7 @@ _CONFIG_FLAGS = (
     ("--io-queue-depth", "io_queue_depth", "NVMe reads/writes in flight at most"),
     ("--socket-mode", "socket_mode", "octal mode of the ipc and handshake sockets, e.g. 0660"),
     ("--handshake-socket", "handshake_socket", "path of the staging handshake socket"),
+    ("--events-addr", "events_addr", "KV-event PUB socket to bind: tcp://HOST:PORT, ipc://PATH"),
 )
 # Boolean keys are flags with a --no- form (argparse.BooleanOptionalAction).
 _BOOL_FLAGS = (
