@@ -97,7 +97,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _resolve(args: argparse.Namespace, path: str | None = None) -> LoadedConfig:
-    return resolve_config(path if path is not None else args.config, overrides=_overrides(args))
+    """``check-config`` names its file positionally (maybe none); the other commands take
+    ``--config``."""
+    if path is None:
+        path = getattr(args, "config", None)
+    return resolve_config(path, overrides=_overrides(args))
 
 
 def _load(args: argparse.Namespace) -> Config:
