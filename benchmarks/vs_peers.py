@@ -187,7 +187,8 @@ def kvtierd_raw_row(address: str, size: int, rounds: int, batch_bytes: int) -> d
         session.close()
     gb = count * size / 1e9
     return {"peer": "kvtierd", "path": PATH_RAW, "chunk_bytes": size,
-            "store_gbps": gb / min(put_s), "load_gbps": gb / min(get_s), "batch_bytes": count * size}
+            "store_gbps": gb / min(put_s), "load_gbps": gb / min(get_s),
+            "batch_bytes": count * size}
 
 
 def measure(peers: dict, sizes: list[int], rounds: int, batch_bytes: int, workdir: Path) -> dict:
@@ -241,9 +242,10 @@ def print_repeat(index: int, result: dict) -> None:
     print(f"{'peer':<10}{'path':<12}{'chunk':>7}{'store':>8}{'load':>8}{'memcpy':>8}"
           f"{'store/cp':>10}{'load/cp':>9}")
     for r in result["rows"]:
+        cp = r["memcpy_gbps"]
         print(f"{r['peer']:<10}{r['path']:<12}{size_name(r['chunk_bytes']):>7}"
-              f"{r['store_gbps']:>8.3f}{r['load_gbps']:>8.3f}{r['memcpy_gbps']:>8.2f}"
-              f"{r['store_gbps'] / r['memcpy_gbps']:>9.3f}x{r['load_gbps'] / r['memcpy_gbps']:>8.3f}x")
+              f"{r['store_gbps']:>8.3f}{r['load_gbps']:>8.3f}{cp:>8.2f}"
+              f"{r['store_gbps'] / cp:>9.3f}x{r['load_gbps'] / cp:>8.3f}x")
     for x in result["ratios"]:
         print(f"kvtierd vs {x['peer']} ({x['path']}, {size_name(x['chunk_bytes'])}): "
               f"store {x['store_x']:.2f}x, load {x['load_x']:.2f}x")

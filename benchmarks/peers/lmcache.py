@@ -141,7 +141,7 @@ def run(sizes: list[int], rounds: int, workdir: Path, batch_bytes: int | None = 
         _stop_server(server, shm_name)
 
 
-# -- the worker: runs in the peer's venv ------------------------------------------------------------
+# -- the worker: runs in the peer's venv -----------------------------------------------------------
 def _wait_for_server(client) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while True:
