@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -134,7 +135,11 @@ def discover() -> dict[str, ModuleType]:
     for info in pkgutil.iter_modules(__path__):
         if info.name.startswith("_"):
             continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
+        try:
+            module = importlib.import_module(f"{__name__}.{info.name}")
+        except ImportError as exc:  # one broken peer must not stop the others
+            print(f"peers: {info.name} cannot be imported, left out: {exc}", file=sys.stderr)
+            continue
         if callable(getattr(module, "run", None)):
             peers[info.name] = module
     return peers
