@@ -38,7 +38,8 @@ _CONFIG_FLAGS = (
     ("--nvme-dir", "nvme_dir", "directory of the NVMe tier"),
     ("--nvme-bytes", "nvme_bytes", "capacity of the NVMe tier, e.g. 100GiB; 0 turns it off"),
     ("--nvme-write-policy", "nvme_write_policy", "write-back (default) or write-through"),
-    ("--io-threads", "io_threads", "threads doing NVMe I/O"),
+    ("--io-threads", "io_threads", "threads running NVMe jobs"),
+    ("--io-queue-depth", "io_queue_depth", "NVMe reads/writes in flight at most"),
     ("--socket-mode", "socket_mode", "octal mode of the ipc and handshake sockets, e.g. 0660"),
     ("--handshake-socket", "handshake_socket", "path of the staging handshake socket"),
 )
