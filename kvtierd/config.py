@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvtierd.config_error import ConfigError
+from kvtierd.config_events import validate_events
 from kvtierd.config_remote import RemoteConfig, parse_remote
 from kvtierd.config_tenants import TenantConfig, parse_tenants
 from kvtierd.paths import default_runtime_dir, default_socket
@@ -160,6 +161,26 @@ class Config:
     ticket_timeout_s: float = 10.0
     # Python logging level name.
     log_level: str = "INFO"
+    # KV events (kvtierd.events, README "KV events"): ZeroMQ endpoint the PUB socket binds,
+    # tcp://HOST:PORT or ipc://PATH, publishing stores and removals in vLLM's KV-event format for
+    # KV-aware routers. Empty: off.
+    events_addr: str = ""
+    # Endpoint of the replay ROUTER (vLLM's replay protocol: missed batches by sequence number);
+    # empty: no replay.
+    events_replay_addr: str = ""
+    # Topic of every batch; {node} and {model} (the namespace's model id) are filled in. The
+    # default is the kv@<pod>@<model> form llm-d's KV-cache manager parses.
+    events_topic: str = "kv@{node}@{model}"
+    # {node} of the topic; empty: the host name.
+    events_node: str = ""
+    # Batches waiting for the publisher thread at most; a fuller queue drops (counted).
+    events_max_queued_batches: int = 10000
+    # Batches kept for replay.
+    events_replay_batches: int = 10000
+    # Publish block hashes as uint64 (the hash's last 8 bytes, big-endian), as vLLM does by default
+    # (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), so they match the engines' own events; Dynamo's
+    # relay decodes only ints. Off: the bytes the client sent.
+    events_int_hashes: bool = True
     # The remote tier on a Mooncake Store ([remote] table of the TOML file only; see
     # kvtierd.config_remote and README "Across nodes"). None: no remote tier.
     remote: RemoteConfig | None = None
@@ -319,6 +340,7 @@ def _validate(cfg: Config) -> None:
     _validate_socket(cfg)
     _validate_socket_files(cfg)
     _validate_metrics_addr(cfg.metrics_addr)
+    validate_events(cfg)
     import logging
 
     if not isinstance(logging.getLevelName(cfg.log_level.upper()), int):

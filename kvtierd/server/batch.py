@@ -38,6 +38,7 @@ class Batch:
     parked: list[tuple[int, Any, Any, Any]] = field(default_factory=list)  # items awaiting space
     frames: list = field(default_factory=list)  # inline PUT payloads
     inline_bytes: int = 0  # of the session's max_inline_reply_bytes, what this GET's reply holds
+    blocks: list | None = None  # kv-events: PUT items' parsed ``blocks`` (kvtierd.event_blocks)
     # Ghost feed, applied once per batch step (kvtierd.ghost): PUT keys stored or already there,
     # with their sizes; GET keys read.
     ghost_keys: list[bytes] = field(default_factory=list)

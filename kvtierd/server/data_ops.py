@@ -32,6 +32,7 @@ from kvtierd.config import Config
 from kvtierd.copy import jobs as copy_jobs
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.cuda_health import CudaContextLost
+from kvtierd.events import NO_EVENTS, NoEvents
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import MAX_KEY_BYTES, Op, ProtocolError, Status, Tier, reply
@@ -61,6 +62,7 @@ class DataOps:
         self.accounting = accounting
         self.ghosts = GhostCaches([], cfg.page_bytes)  # the daemon sets the real ones
         self.send = send
+        self.events: NoEvents = NO_EVENTS  # kv-events hook: set by the daemon
         self.waiting: deque[Batch] = deque()  # PUTs with parked items, oldest first
         self._retrying = False
         mover.on_space = self.retry_parked
@@ -73,6 +75,7 @@ class DataOps:
         batch = self._batch(session, Op.PUT, header)
         self._check_frames(session, items, frames)
         batch.frames = frames
+        batch.blocks = blocks = requests.blocks(header, len(items))  # kv-events: what items cover
         queue = self._queue(batch, job_bytes(items, self.cfg.copy_threads))
         staging = session.staging
         limit = staging.nbytes if staging is not None else -1  # inline: the checked path below
@@ -89,6 +92,11 @@ class DataOps:
                 problem = requests.item_problem(staging, key, offset, nbytes,
                                                 frames[i] if staging is None else None,
                                                 self.cfg.max_inline_bytes)
+                if problem is not None:
+                    batch.fail(i, *problem)
+                    continue
+            if blocks is not None:
+                problem = requests.block_problem(blocks, i)
                 if problem is not None:
                     batch.fail(i, *problem)
                     continue
@@ -368,10 +376,11 @@ class DataOps:
             for index, entry, _ in job:
                 self._put_item_failed(batch, index, entry, error)
             return
-        commit = self.tier.commit
+        commit, events, blocks = self.tier.commit, self.events, batch.blocks
         stored = 0
-        for (_, entry, _), digest in zip(job, digests):
+        for (index, entry, _), digest in zip(job, digests):
             commit(entry, digest)
+            events.stored(entry.ikey, "cpu", blocks[index] if blocks else None)
             stored += entry.nbytes
             batch.ghost_keys.append(entry.ikey[1])
             batch.ghost_nbytes.append(entry.nbytes)
