@@ -1,30 +1,134 @@
-"""Least recently used: an insertion-ordered dict whose front is the coldest key."""
+"""Exact least-recently-used order as an append-only log of slots.
+
+Every ``insert``/``touch`` appends the slot to the log and stamps the slot with that position; a
+log entry is live iff its slot's stamp is still its position, so a touch makes the older entry
+garbage in O(1) without finding it. Victims are the live entries from the front. Each partition
+(tenant) has its own log of positions into the main one, so a tenant at its quota finds its own
+coldest chunks in O(its victims), not O(all chunks colder than them).
+
+Garbage (superseded or removed entries) is dropped by rewriting the logs once it outweighs the
+live entries twice over: amortised O(1) per touch. Memory: a 4-byte stamp per slot plus 4 bytes
+per log entry in the main and the partition log, 12-28 bytes per chunk, and no per-key objects
+(the OrderedDicts this replaces cost ~100 bytes per key, twice).
+
+Positions are 32-bit: a rewrite renumbers them from 0 before they run out, so a tier may hold up
+to ~1.4 billion chunks.
+"""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Hashable, Iterator
+from array import array
+from typing import Iterator
 
 from kvtierd.eviction.base import EvictionPolicy
 
+NONE = 0xFFFFFFFF  # stamp of a slot that is not in the policy
+_LIMIT = 0xFFFFFFF0  # positions stay below this (a rewrite renumbers them first)
+_SLACK = 65536  # garbage tolerated beyond twice the live entries before a rewrite
+
 
 class LRUPolicy(EvictionPolicy):
-    def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
-
-    def insert(self, key: Hashable) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
-
-    def touch(self, key: Hashable) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
-
-    def remove(self, key: Hashable) -> None:
-        self._order.pop(key, None)
-
-    def victims(self) -> Iterator[Hashable]:
-        return iter(self._order)
+    def __init__(self, slack: int = _SLACK) -> None:
+        """``slack``: garbage entries tolerated beyond twice the live ones (small in tests, to
+        make rewrites happen)."""
+        self._slack = slack
+        self._stamp = array("I")  # per slot: position of its live log entry, or NONE
+        self._log = array("I")  # slots in access order, coldest first (plus garbage)
+        self._head = 0  # every log entry before it is garbage
+        self._parts: dict[int, array] = {}  # part -> positions in _log, in order
+        self._part_heads: dict[int, int] = {}
+        self._live = 0
+        self.rewrites = 0
 
     def __len__(self) -> int:
-        return len(self._order)
+        return self._live
+
+    def __contains__(self, slot: int) -> bool:
+        return slot < len(self._stamp) and self._stamp[slot] != NONE
+
+    def insert(self, slot: int, part: int) -> None:
+        stamp = self._stamp
+        if slot >= len(stamp):
+            stamp.extend(array("I", [NONE]) * (slot + 1 - len(stamp)))
+        if stamp[slot] == NONE:
+            self._live += 1
+        self._append(slot, part)
+
+    def touch(self, slot: int, part: int) -> None:
+        if slot < len(self._stamp) and self._stamp[slot] != NONE:
+            self._append(slot, part)
+
+    def _append(self, slot: int, part: int) -> None:
+        log = self._log
+        pos = len(log)
+        self._stamp[slot] = pos
+        log.append(slot)
+        plog = self._parts.get(part)
+        if plog is None:
+            plog = self._parts[part] = array("I")
+            self._part_heads[part] = 0
+        plog.append(pos)
+        if pos - self._head > 2 * self._live + self._slack or pos >= _LIMIT:
+            self._rewrite()
+
+    def remove(self, slot: int) -> None:
+        if slot < len(self._stamp) and self._stamp[slot] != NONE:
+            self._stamp[slot] = NONE
+            self._live -= 1
+
+    def victims(self, part: int | None = None) -> Iterator[int]:
+        stamp, log = self._stamp, self._log
+        if part is None:
+            pos, end = self._head, len(log)
+            while pos < end and stamp[log[pos]] != pos:  # the garbage prefix goes for good
+                pos += 1
+            self._head = pos
+            for pos in range(pos, end):
+                slot = log[pos]
+                if stamp[slot] == pos:
+                    yield slot
+            return
+        plog = self._parts.get(part)
+        if plog is None:
+            return
+        i, end = self._part_heads[part], len(plog)
+        while i < end and stamp[log[plog[i]]] != plog[i]:
+            i += 1
+        self._part_heads[part] = i
+        for i in range(i, end):
+            pos = plog[i]
+            slot = log[pos]
+            if stamp[slot] == pos:
+                yield slot
+
+    def _rewrite(self) -> None:
+        """Drop every garbage entry and renumber positions from 0, keeping the order."""
+        stamp, log = self._stamp, self._log
+        live_parts: dict[int, list[int]] = {}
+        for part, plog in self._parts.items():
+            slots = [log[pos] for pos in plog[self._part_heads[part]:] if stamp[log[pos]] == pos]
+            if slots:
+                live_parts[part] = slots
+        new = array("I")
+        for pos in range(self._head, len(log)):
+            slot = log[pos]
+            if stamp[slot] == pos:
+                stamp[slot] = len(new)
+                new.append(slot)
+        self._log, self._head = new, 0
+        self._parts = {part: array("I", [stamp[s] for s in slots])
+                       for part, slots in live_parts.items()}
+        self._part_heads = dict.fromkeys(self._parts, 0)
+        self.rewrites += 1
+
+    def check_invariants(self) -> None:
+        stamp, log = self._stamp, self._log
+        live = [s for s in range(len(stamp)) if stamp[s] != NONE]
+        assert len(live) == self._live, f"LRU counts {self._live} slots, holds {len(live)}"
+        for slot in live:
+            pos = stamp[slot]
+            assert self._head <= pos < len(log) and log[pos] == slot, f"slot {slot} lost its entry"
+        in_parts = 0
+        for part, plog in self._parts.items():
+            in_parts += sum(1 for pos in plog[self._part_heads[part]:] if stamp[log[pos]] == pos)
+        assert in_parts == self._live, "partition logs and the main log disagree"

@@ -141,16 +141,17 @@ class Daemon:
         )
         self._attach_arena_index(cfg)
         self.nvme = self._open_nvme(cfg)
-        if self.nvme is not None:
-            for ikey, entry in self.tier.index.items():  # warm restart: which copies are clean
-                below = self.nvme.index.get(ikey)
-                entry.on_nvme = below is not None and below.checksum == entry.checksum
+        if self.nvme is not None and len(self.tier.index):  # warm restart: which copies are clean
+            clean = self.tier.mark_on_nvme(self.nvme.index)
+            log.info("%d of %d re-attached arena chunks have their NVMe copy", clean,
+                     len(self.tier.index))
         self.engine = CopyEngine(cfg.copy_threads)
         self.io_engine = CopyEngine(cfg.io_threads, inline_bytes=-1)  # disk I/O never inline
         self.mover = TierMover(self.tier, self.nvme, self.io_engine, self.metrics,
                                write_through=cfg.nvme_write_policy == "write-through")
         self.metrics.add_tiers(self.mover.tier_stats)
-        self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s)
+        self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s,
+                                     lower=self.nvme)
         accounting = Accounting(self.metrics)
         # a session's staging buffer may hold a descriptor: no more sessions than connections
         max_sessions = min(cfg.max_sessions, self.max_connections)
@@ -293,6 +294,7 @@ class Daemon:
             if self.socket in events:
                 self._drain_requests()
             self.mover.flush()  # writes and deletes queued by what was just handled
+            self._compact()
             if cuda_health.any_lost():  # a sticky CUDA error: stop serving, exit for a restart
                 self._stop.set()
                 break
@@ -300,6 +302,13 @@ class Daemon:
             if now >= next_tick:
                 next_tick = now + TICK_S
                 self._housekeeping(now)
+
+    def _compact(self) -> None:
+        """Fold the chunks that went idle during this iteration back into the compact indexes:
+        between iterations nobody holds an entry it has not referenced or pinned."""
+        self.tier.compact()
+        if self.nvme is not None:
+            self.nvme.compact()
 
     def _drain_requests(self) -> None:
         assert self.socket is not None

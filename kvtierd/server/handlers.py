@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from typing import Callable
 
 from kvtierd import __version__, cuda_health, staging_cuda
@@ -33,6 +34,7 @@ from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
 from kvtierd.staging_cuda import CudaIpcStaging
 from kvtierd.tenants import OTHER_LABEL, TenantTable
+from kvtierd.tiers.base import MISS_SLOT
 
 log = logging.getLogger(__name__)
 
@@ -164,24 +166,59 @@ class OpHandlers:
 
     # -- index -----------------------------------------------------------------------------------
     def lookup(self, session: Session, header: dict, frames: list) -> dict:
+        """Batched: each tier answers the whole batch from its compact index (no entry built
+        unless a hit is leased), the NVMe tier only for the CPU tier's misses."""
         keys = requests.batch(header, "keys", self.cfg.max_batch)
         lease = requests.flag(header, "lease", False)
-        tiers = []
         for key in keys:
-            problem = requests.key_problem(key)
-            if problem is not None:
-                raise ProtocolError(problem[0], problem[1])
-            status, tier, entry = self.mover.lookup(session.ikey(key), session.fingerprint)
-            self.ghosts.access(session.ikey(key), None if entry is None else tier.name.lower())
-            if entry is None:
-                self.accounting.lookup_miss(status)
-                tiers.append(int(Tier.NONE))
-                continue
-            self.accounting.lookup_hit(tier)
-            if lease:
-                self.sessions.lease(session, entry)
-            tiers.append(int(tier))
-        return {"tiers": tiers}
+            if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+                problem = requests.key_problem(key)
+                if problem is not None:
+                    raise ProtocolError(problem[0], problem[1])
+        space, fingerprint = session.space, session.fingerprint
+        cpu, nvme = self.mover.cpu, self.mover.nvme
+        slots = cpu.lookup_slots(space, keys, fingerprint)
+        codes = [int(Tier.CPU) if slot >= 0 else int(Tier.NONE) for slot in slots]
+        below: dict[int, int] = {}  # batch index -> NVMe slot (hit or MISS/MISMATCH_SLOT)
+        if nvme is not None:
+            missed = [i for i, slot in enumerate(slots) if slot == MISS_SLOT]
+            if missed:
+                found = nvme.lookup_slots(space, [keys[i] for i in missed], fingerprint)
+                below = dict(zip(missed, found))
+                for i, slot in below.items():
+                    if slot >= 0:
+                        codes[i] = int(Tier.NVME)
+        self._count_lookups(session, keys, slots, below)
+        if lease:
+            for i, slot in enumerate(slots):
+                if slot >= 0:
+                    self.sessions.lease(session, cpu.index.entry(slot))
+                elif below.get(i, -1) >= 0:
+                    self.sessions.lease(session, nvme.index.entry(below[i]))
+        return {"tiers": codes}
+
+    def _count_lookups(self, session: Session, keys: list, slots: list[int],
+                       below: dict[int, int]) -> None:
+        """Hits by tier and misses by reason (one metric update per label, not per key), and
+        every key into the capacity-planning ghosts."""
+        hits: Counter[Tier] = Counter()
+        misses: Counter[Status] = Counter()
+        access = self.ghosts.access
+        for i, key in enumerate(keys):
+            slot = slots[i]
+            if slot >= 0:
+                tier = Tier.CPU
+            else:
+                lower = below.get(i, slot)
+                if lower >= 0:
+                    tier = Tier.NVME
+                else:
+                    misses[Status.MISS if lower == MISS_SLOT else Status.LAYOUT_MISMATCH] += 1
+                    access(session.ikey(key), None)
+                    continue
+            hits[tier] += 1
+            access(session.ikey(key), tier.name.lower())
+        self.accounting.lookup_counts(hits, misses)
 
     def delete(self, session: Session, header: dict, frames: list) -> dict:
         keys = requests.batch(header, "keys", self.cfg.max_batch)

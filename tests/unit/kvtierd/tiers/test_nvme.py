@@ -405,7 +405,7 @@ def test_recovery_drops_everything_when_rows_overlap(tiers, arena, arena_pages, 
     with caplog.at_level(logging.ERROR, logger="kvtierd.tiers.nvme"):
         tier = tiers()
     tier.check_invariants()
-    assert tier.index == {} and tier.used_bytes == 0
+    assert len(tier.index) == 0 and tier.used_bytes == 0
     assert "overlapping" in caplog.text
     assert disk_rows(nvme_dir) == {}
 
@@ -428,7 +428,7 @@ def test_changed_capacity_resets_the_index(tiers, arena, arena_pages, nvme_dir, 
     with caplog.at_level(logging.WARNING, logger="kvtierd.tiers.nvme"):
         tier = tiers(pages=NVME_PAGES * 2)
     assert tier.db.reset_reason and "nvme_bytes" in tier.db.reset_reason
-    assert tier.index == {} and tier.used_bytes == 0
+    assert len(tier.index) == 0 and tier.used_bytes == 0
     assert (nvme_dir / DATA_NAME).stat().st_size == 2 * NVME_PAGES * PAGE
     assert "index reset" in caplog.text
 
