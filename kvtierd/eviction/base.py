@@ -29,6 +29,11 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def touch(self, slot: int, part: int) -> None: ...
 
+    def touch_many(self, slots: list[int], part: int) -> None:
+        """``touch`` of each slot in order (a policy may do it faster in one go)."""
+        for slot in slots:
+            self.touch(slot, part)
+
     @abc.abstractmethod
     def remove(self, slot: int) -> None: ...
 

@@ -3,8 +3,9 @@
 Every ``insert``/``touch`` appends the slot to the log and stamps the slot with that position; a
 log entry is live iff its slot's stamp is still its position, so a touch makes the older entry
 garbage in O(1) without finding it. Victims are the live entries from the front. Each partition
-(tenant) has its own log of positions into the main one, so a tenant at its quota finds its own
-coldest chunks in O(its victims), not O(all chunks colder than them).
+(tenant with a quota; part -1 means none) has its own log of positions into the main one, so a
+tenant at its quota finds its own coldest chunks in O(its victims), not O(all chunks colder than
+them).
 
 Garbage (superseded or removed entries) is dropped by rewriting the logs once it outweighs the
 live entries twice over: amortised O(1) per touch. Memory: a 4-byte stamp per slot plus 4 bytes
@@ -58,16 +59,44 @@ class LRUPolicy(EvictionPolicy):
         if slot < len(self._stamp) and self._stamp[slot] != NONE:
             self._append(slot, part)
 
+    def touch_many(self, slots: list[int], part: int) -> None:
+        """``touch`` of every slot in order (one batched LOOKUP's hits, all in ``part``)."""
+        stamp, log = self._stamp, self._log
+        pos = len(log)
+        size = len(stamp)
+        append = log.append
+        if part < 0:
+            for slot in slots:
+                if slot < size and stamp[slot] != NONE:
+                    stamp[slot] = pos
+                    append(slot)
+                    pos += 1
+        else:
+            plog = self._parts.get(part)
+            if plog is None:
+                plog = self._parts[part] = array("I")
+                self._part_heads[part] = 0
+            part_append = plog.append
+            for slot in slots:
+                if slot < size and stamp[slot] != NONE:
+                    stamp[slot] = pos
+                    append(slot)
+                    part_append(pos)
+                    pos += 1
+        if pos - self._head > 2 * self._live + self._slack or pos >= _LIMIT:
+            self._rewrite()
+
     def _append(self, slot: int, part: int) -> None:
         log = self._log
         pos = len(log)
         self._stamp[slot] = pos
         log.append(slot)
-        plog = self._parts.get(part)
-        if plog is None:
-            plog = self._parts[part] = array("I")
-            self._part_heads[part] = 0
-        plog.append(pos)
+        if part >= 0:
+            plog = self._parts.get(part)
+            if plog is None:
+                plog = self._parts[part] = array("I")
+                self._part_heads[part] = 0
+            plog.append(pos)
         if pos - self._head > 2 * self._live + self._slack or pos >= _LIMIT:
             self._rewrite()
 
@@ -106,16 +135,13 @@ class LRUPolicy(EvictionPolicy):
         stamp, log = self._stamp, self._log
         live_parts: dict[int, list[int]] = {}
         for part, plog in self._parts.items():
-            slots = [log[pos] for pos in plog[self._part_heads[part]:] if stamp[log[pos]] == pos]
+            slots = [log[p] for p in plog[self._part_heads[part]:] if stamp[log[p]] == p]
             if slots:
                 live_parts[part] = slots
-        new = array("I")
-        for pos in range(self._head, len(log)):
-            slot = log[pos]
-            if stamp[slot] == pos:
-                stamp[slot] = len(new)
-                new.append(slot)
-        self._log, self._head = new, 0
+        live = [s for p, s in enumerate(log[self._head:], self._head) if stamp[s] == p]
+        for pos, slot in enumerate(live):
+            stamp[slot] = pos
+        self._log, self._head = array("I", live), 0
         self._parts = {part: array("I", [stamp[s] for s in slots])
                        for part, slots in live_parts.items()}
         self._part_heads = dict.fromkeys(self._parts, 0)
@@ -128,7 +154,9 @@ class LRUPolicy(EvictionPolicy):
         for slot in live:
             pos = stamp[slot]
             assert self._head <= pos < len(log) and log[pos] == slot, f"slot {slot} lost its entry"
-        in_parts = 0
+        seen: set[int] = set()
         for part, plog in self._parts.items():
-            in_parts += sum(1 for pos in plog[self._part_heads[part]:] if stamp[log[pos]] == pos)
-        assert in_parts == self._live, "partition logs and the main log disagree"
+            live_here = [log[pos] for pos in plog[self._part_heads[part]:] if stamp[log[pos]] == pos]
+            assert not seen.intersection(live_here), "a slot is live in two partitions"
+            seen.update(live_here)
+        assert seen <= set(live), "a partition log holds a slot the main log does not"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
 from typing import Callable
 
 from kvtierd import __version__, cuda_health, staging_cuda
@@ -34,7 +33,7 @@ from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
 from kvtierd.staging_cuda import CudaIpcStaging
 from kvtierd.tenants import OTHER_LABEL, TenantTable
-from kvtierd.tiers.base import MISS_SLOT
+from kvtierd.tiers.base import MISMATCH_SLOT, MISS_SLOT
 
 log = logging.getLogger(__name__)
 
@@ -200,25 +199,22 @@ class OpHandlers:
     def _count_lookups(self, session: Session, keys: list, slots: list[int],
                        below: dict[int, int]) -> None:
         """Hits by tier and misses by reason (one metric update per label, not per key), and
-        every key into the capacity-planning ghosts."""
-        hits: Counter[Tier] = Counter()
-        misses: Counter[Status] = Counter()
-        access = self.ghosts.access
-        for i, key in enumerate(keys):
-            slot = slots[i]
+        the batch into the capacity-planning ghosts."""
+        names: list[str | None] = ["cpu" if slot >= 0 else None for slot in slots]
+        nvme_hits = 0
+        for i, slot in below.items():
             if slot >= 0:
-                tier = Tier.CPU
-            else:
-                lower = below.get(i, slot)
-                if lower >= 0:
-                    tier = Tier.NVME
-                else:
-                    misses[Status.MISS if lower == MISS_SLOT else Status.LAYOUT_MISMATCH] += 1
-                    access(session.ikey(key), None)
-                    continue
-            hits[tier] += 1
-            access(session.ikey(key), tier.name.lower())
-        self.accounting.lookup_counts(hits, misses)
+                names[i] = "nvme"
+                nvme_hits += 1
+        cpu_hits = len(keys) - names.count(None) - nvme_hits
+        mismatches = slots.count(MISMATCH_SLOT) + sum(
+            1 for slot in below.values() if slot == MISMATCH_SLOT)
+        misses = len(keys) - cpu_hits - nvme_hits - mismatches
+        hits = {tier: n for tier, n in ((Tier.CPU, cpu_hits), (Tier.NVME, nvme_hits)) if n}
+        failed = {status: n for status, n in ((Status.MISS, misses),
+                                              (Status.LAYOUT_MISMATCH, mismatches)) if n}
+        self.accounting.lookup_counts(hits, failed)
+        self.ghosts.access_many(session.space, keys, names)
 
     def delete(self, session: Session, header: dict, frames: list) -> dict:
         keys = requests.batch(header, "keys", self.cfg.max_batch)

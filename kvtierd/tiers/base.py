@@ -22,6 +22,14 @@ class TierIndex:
     policy: EvictionPolicy
     counters: Counter[str]
 
+    def part_of_tenant(self, tenant_id: int) -> int:
+        """The eviction-policy partition of an interned tenant: -1 (none) unless the tier
+        evicts per tenant (the CPU tier, for tenants with a quota)."""
+        return -1
+
+    def part_of(self, slot: int) -> int:
+        return self.part_of_tenant(self.index.tenant_id(slot))
+
     def lookup(self, ikey: Hashable, fingerprint: str) -> tuple[Status, ChunkEntry | None]:
         """The READY chunk under ``ikey`` (touched for the eviction policy), a MISS, or
         LAYOUT_MISMATCH when it was written by another layout: never bytes for the wrong reader."""
@@ -35,7 +43,7 @@ class TierIndex:
         if entry.fingerprint != fingerprint:
             self.counters["layout_mismatch"] += 1
             return Status.LAYOUT_MISMATCH, None
-        self.policy.touch(slot, index.tenant_id(slot))
+        self.policy.touch(slot, self.part_of(slot))
         return Status.OK, entry
 
     def lookup_slots(self, space: tuple, keys: Sequence[bytes], fingerprint: str) -> list[int]:
@@ -48,24 +56,21 @@ class TierIndex:
             return [MISS_SLOT] * len(keys)
         fp = index.fingerprint_id(fingerprint)
         get, active, fps, flags = found.keys.get, index.active, index.fp_column, index.flags
-        touch, tenant = self.policy.touch, found.tenant
+        out = [get(key, MISS_SLOT) for key in keys]
         ready = ChunkState.READY
-        out = []
+        hits = []
         mismatches = 0
-        for key in keys:
-            slot = get(key, MISS_SLOT)
+        for i, slot in enumerate(out):
             if slot < 0:
-                out.append(MISS_SLOT)
                 continue
             if flags[slot] & ACTIVE and active[slot].state is not ready:  # PENDING
-                out.append(MISS_SLOT)
-                continue
-            if fps[slot] != fp:
+                out[i] = MISS_SLOT
+            elif fps[slot] != fp:
+                out[i] = MISMATCH_SLOT
                 mismatches += 1
-                out.append(MISMATCH_SLOT)
-                continue
-            touch(slot, tenant)
-            out.append(slot)
+            else:
+                hits.append(slot)
+        self.policy.touch_many(hits, self.part_of_tenant(found.tenant))
         if mismatches:
             self.counters["layout_mismatch"] += mismatches
         return out

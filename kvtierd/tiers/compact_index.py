@@ -88,6 +88,7 @@ class ChunkIndex:
         self._space_list: list[_Space | None] = []
         self._free_space_ids: list[int] = []
         self._tenants: dict[str, int] = {}  # tenant -> id (few; kept for the daemon's life)
+        self._tenant_names: list[str] = []
         self._fps = _Interner()
         # Columns, one item per slot.
         self._space = array("I")
@@ -200,6 +201,9 @@ class ChunkIndex:
         """The interned tenant of ``slot`` (the eviction policy's partition)."""
         return self._space_list[self._space[slot]].tenant  # type: ignore[union-attr]
 
+    def tenant_name(self, tenant_id: int) -> str:
+        return self._tenant_names[tenant_id]
+
     def tenant_number(self, tenant: str) -> int:
         """The interned id of ``tenant``, or -1 if no chunk of it was ever indexed."""
         return self._tenants.get(tenant, -1)
@@ -306,6 +310,7 @@ class ChunkIndex:
         tenant = self._tenants.get(space[0])
         if tenant is None:
             tenant = self._tenants[space[0]] = len(self._tenants)
+            self._tenant_names.append(space[0])
         if self._free_space_ids:
             sid = self._free_space_ids.pop()
         else:

@@ -77,6 +77,7 @@ class CpuTier(TierIndex):
         self.ready_chunks = self.ready_pages = 0
         self.pending_chunks = self.pending_pages = 0
         self.quota_pages = quota_pages
+        self._parts: dict[int, int] = {}  # interned tenant -> its LRU partition (-1: none)
         # Pages allocated to each tenant's chunks (pending, ready, demoting, doomed-but-read),
         # and of those the pages being demoted (they count as gone for the quota).
         self.tenant_pages: Counter[str] = Counter()
@@ -127,6 +128,15 @@ class CpuTier(TierIndex):
         self.tenant_pages[tenant] += pages
         return Status.OK, entry
 
+    def part_of_tenant(self, tenant_id: int) -> int:
+        """A tenant with a quota has its own LRU partition (it evicts its own coldest chunks);
+        the others need none. Quotas are fixed for the daemon's life, so this is cached."""
+        part = self._parts.get(tenant_id)
+        if part is None:
+            tenant = self.index.tenant_name(tenant_id)
+            part = self._parts[tenant_id] = tenant_id if self.quota_pages(tenant) else -1
+        return part
+
     def tenant_used_pages(self, tenant: str) -> int:
         """What counts against ``tenant``'s quota: its pages, less those being demoted."""
         return self.tenant_pages[tenant] - self.tenant_demoting[tenant]
@@ -174,7 +184,7 @@ class CpuTier(TierIndex):
             return Status.BUSY
         if index.nbytes_of(slot) != nbytes:
             return Status.SIZE_MISMATCH
-        self.policy.touch(slot, index.tenant_id(slot))
+        self.policy.touch(slot, self.part_of(slot))
         return Status.EXISTS
 
     def attach_index(self, db: ChunkIndexDB, attached: bool) -> int:
@@ -185,11 +195,13 @@ class CpuTier(TierIndex):
         if not attached or db.reset_reason:
             db.clear()
             return 0
-        loaded = load_rows(db, self.index, self.policy, self.num_pages, verified=False)
+        loaded = load_rows(db, self.index, self.policy, self.part_of, self.num_pages,
+                           verified=False)
         if loaded.allocator is None:
             log.error("arena index names overlapping pages (%s); starting cold", loaded.overlap)
             db.clear()
             self.index.clear()
+            self._parts.clear()
             self.policy = make_policy(self.policy_name)
             return 0
         self.allocator = loaded.allocator
@@ -217,7 +229,7 @@ class CpuTier(TierIndex):
         self.pending_pages -= entry.pages
         self.ready_chunks += 1
         self.ready_pages += entry.pages
-        self.policy.insert(entry.slot, self.index.tenant_id(entry.slot))
+        self.policy.insert(entry.slot, self.part_of(entry.slot))
         self.index.loosen(entry)
         self.counters["commits"] += 1
 

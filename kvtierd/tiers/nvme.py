@@ -113,8 +113,8 @@ class NvmeTier(TierIndex):
             log.info("%s", msg)
             status(msg)
 
-        loaded = load_rows(self.db, self.index, self.policy, self.num_pages, verified=True,
-                           progress=progress)
+        loaded = load_rows(self.db, self.index, self.policy, self.part_of, self.num_pages,
+                           verified=True, progress=progress)
         if loaded.allocator is None:  # overlapping rows: the index cannot be trusted
             log.error("NVMe index names overlapping pages (%s); dropping all %d chunks",
                       loaded.overlap, total)
@@ -193,7 +193,7 @@ class NvmeTier(TierIndex):
 
     def commit(self, entry: ChunkEntry) -> None:
         entry.state = ChunkState.READY
-        self.policy.insert(entry.slot, self.index.tenant_id(entry.slot))
+        self.policy.insert(entry.slot, self.part_of(entry.slot))
         self.index.loosen(entry)
         self.ready_chunks += 1
         self.ready_pages += entry.pages

@@ -34,15 +34,16 @@ class Loaded:
     tenant_pages: Counter[str] = field(default_factory=Counter)
 
 
-def load_rows(db: ChunkIndexDB, index: ChunkIndex, policy: EvictionPolicy, num_pages: int, *,
-              verified: bool, progress: Callable[[int], None] | None = None) -> Loaded:
-    """Index every row of ``db`` (READY, idle) into ``index`` and ``policy``, in row order."""
+def load_rows(db: ChunkIndexDB, index: ChunkIndex, policy: EvictionPolicy,
+              part_of: Callable[[int], int], num_pages: int, *, verified: bool, progress: Callable[[int], None] | None = None) -> Loaded:
+    """Index every row of ``db`` (READY, idle) into ``index`` and ``policy`` (partition
+    ``part_of(slot)``), in row order."""
     loaded = Loaded(None)
     page_map = bytearray(num_pages)
     find = page_map.find
     ones = memoryview(b"\1" * min(num_pages, 1 << 16))
     page_bytes = index.page_bytes
-    add, insert, tenant_id = index.add_compact, policy.insert, index.tenant_id
+    add, insert = index.add_compact, policy.insert
     tenant_pages = loaded.tenant_pages
     pages_total = 0
     for n, (tenant, ns, rank, key, fp, nbytes, checksum, blob) in enumerate(db.raw_rows(), 1):
@@ -75,7 +76,7 @@ def load_rows(db: ChunkIndexDB, index: ChunkIndex, policy: EvictionPolicy, num_p
                 start += step
                 count -= step
         slot = add((tenant, ns, rank), key, fp, nbytes, checksum, runs, verified=verified)
-        insert(slot, tenant_id(slot))
+        insert(slot, part_of(slot))
         pages_total += pages
         tenant_pages[tenant] += pages
         if progress is not None and n % PROGRESS_EVERY == 0:
