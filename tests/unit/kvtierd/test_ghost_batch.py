@@ -18,9 +18,10 @@ def test_access_many_matches_access_key_by_key(max_keys):
     tiers = [("cpu", 64 * PAGE), ("nvme", 256 * PAGE)]
     batched, single = (GhostCaches(tiers, PAGE, max_keys=max_keys) for _ in range(2))
     keys = [rng.randbytes(16) for _ in range(300)]
+    sizes = [PAGE * rng.choice([1, 1, 2]) for _ in keys[:200]]
     for ghosts in (batched, single):
-        for key in keys[:200]:
-            ghosts.insert((SPACE, key), PAGE * rng.choice([1, 1, 2]))
+        for key, nbytes in zip(keys, sizes):
+            ghosts.insert((SPACE, key), nbytes)
     for _ in range(20):
         batch = rng.sample(keys, 40)
         hits = [rng.choice(["cpu", "nvme", None]) for _ in batch]
