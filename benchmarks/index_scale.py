@@ -228,22 +228,25 @@ def warm_arena(work: Path, chunks: int, repeat: int, lookup_s: float) -> dict:
 
 def nvme_room(root: Path, chunks: int) -> tuple[Path, int]:
     """Where the NVMe file fits (with 25 % to spare), and how many chunks then."""
-    need = room_pages(chunks) * PAGE
+    need = (chunks + 64) * PAGE
     for place in (root, SHM):
         if shutil.disk_usage(place).free * 0.75 >= need:
             return place, chunks
     free = shutil.disk_usage(root).free
-    return root, max(1000, int(free * 0.5) // PAGE * 4 // 5 - 64)
+    return root, max(1000, int(free * 0.5) // PAGE - 64)
 
 
 def nvme(work: Path, root: Path, chunks: int, repeat: int) -> dict:
     place, chunks = nvme_room(root, chunks)
     nvme_dir = Path(tempfile.mkdtemp(prefix="kvtierd-bench-nvme-", dir=place))
     empty_dir = Path(tempfile.mkdtemp(prefix="kvtierd-bench-nvme-empty-", dir=place))
-    size = str(room_pages(chunks) * PAGE)
-    flags = ("--cpu-bytes", "16MiB", "--nvme-bytes", size)
-    indexed = Daemon(work / "nvme", *flags, "--nvme-dir", str(nvme_dir))
-    empty = Daemon(work / "nvme-empty", *flags, "--nvme-dir", str(empty_dir))
+    size = str((chunks + 64) * PAGE)  # no watermark below: a full file evicts only on demand
+    indexed = Daemon(work / "nvme", "--cpu-bytes", "16MiB", "--nvme-bytes", size,
+                     "--nvme-dir", str(nvme_dir))
+    # The baseline's file is small: one file of the full size is what the machine can spare
+    # (at a restart the preallocated file is only reopened, so its size barely matters).
+    empty = Daemon(work / "nvme-empty", "--cpu-bytes", "16MiB", "--nvme-bytes", "64MiB",
+                   "--nvme-dir", str(empty_dir))
     meta = {"page_bytes": str(PAGE), "nvme_bytes": size}
     try:
         indexed.start()

@@ -19,7 +19,7 @@ indexes millions of chunks and every Python object costs tens of bytes (issue 12
 from __future__ import annotations
 
 import abc
-from typing import Iterator
+from typing import Iterable, Iterator
 
 
 class EvictionPolicy(abc.ABC):
@@ -28,6 +28,11 @@ class EvictionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def touch(self, slot: int, part: int) -> None: ...
+
+    def insert_many(self, slots: Iterable[int], part: int) -> None:
+        """``insert`` of each slot in order (recovery)."""
+        for slot in slots:
+            self.insert(slot, part)
 
     def touch_many(self, slots: list[int], part: int) -> None:
         """``touch`` of each slot in order (a policy may do it faster in one go)."""

@@ -19,7 +19,7 @@ to ~1.4 billion chunks.
 from __future__ import annotations
 
 from array import array
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from kvtierd.eviction.base import EvictionPolicy
 
@@ -58,6 +58,24 @@ class LRUPolicy(EvictionPolicy):
     def touch(self, slot: int, part: int) -> None:
         if slot < len(self._stamp) and self._stamp[slot] != NONE:
             self._append(slot, part)
+
+    def insert_many(self, slots: Iterable[int], part: int) -> None:
+        """``insert`` of each slot in order; new slots past the end (recovery) in one go."""
+        if not isinstance(slots, range) or slots.step != 1 or slots.start != len(self._stamp):
+            super().insert_many(slots, part)
+            return
+        pos = len(self._log)
+        self._stamp.extend(range(pos, pos + len(slots)))
+        self._log.extend(slots)
+        if part >= 0:
+            plog = self._parts.get(part)
+            if plog is None:
+                plog = self._parts[part] = array("I")
+                self._part_heads[part] = 0
+            plog.extend(range(pos, pos + len(slots)))
+        self._live += len(slots)
+        if len(self._log) >= _LIMIT:
+            self._rewrite()
 
     def touch_many(self, slots: list[int], part: int) -> None:
         """``touch`` of every slot in order (one batched LOOKUP's hits, all in ``part``)."""

@@ -26,6 +26,7 @@ run keeps its run list in ``_multi`` (a fragmented arena costs more per chunk).
 
 from __future__ import annotations
 
+import collections
 from array import array
 from typing import Hashable, Iterator
 
@@ -71,6 +72,11 @@ class _Interner:
                 self.refs.append(0)
             self.ids[value] = i
         self.refs[i] += 1
+        return i
+
+    def take_many(self, value, count: int) -> int:
+        i = self.take(value)
+        self.refs[i] += count - 1
         return i
 
     def release(self, i: int) -> None:
@@ -276,6 +282,35 @@ class ChunkIndex:
         i = slot * CHECKSUM_BYTES
         self._sum[i:i + CHECKSUM_BYTES] = checksum
         return slot
+
+    def extend_compact(self, space: tuple, keys: tuple[bytes, ...], fingerprints: tuple[str, ...],
+                       sizes: tuple[int, ...], starts: array, checksums: bytes, *,
+                       verified: bool) -> int:
+        """``add_compact`` for many single-run chunks of one key space at once (recovery): new
+        slots at the end, in order; returns the first. All or nothing."""
+        found = self._spaces.get(space)
+        if found is None:
+            found = self._new_space(space)
+        first, n = len(self._keys), len(keys)
+        before = len(found.keys)
+        found.keys.update(zip(keys, range(first, first + n)))
+        if len(found.keys) != before + n:  # a key twice, or one indexed already: undo
+            for key in keys:
+                if found.keys.get(key, -1) >= first:
+                    del found.keys[key]
+            raise KeyError(f"a key of {space!r} is indexed twice")
+        fp_ids = {fp: self._fps.take_many(fp, count)
+                  for fp, count in collections.Counter(fingerprints).items()}
+        self._fp.extend([fp_ids[fp] for fp in fingerprints] if len(fp_ids) > 1
+                        else array("I", [fp_ids[fingerprints[0]]]) * n)
+        self._space.extend(array("I", [found.id]) * n)
+        self._nbytes.extend(sizes)
+        self._start.extend(starts)
+        self._keys.extend(keys)
+        self._flags.extend(bytes([USED | (VERIFIED if verified else 0)]) * n)
+        self._sum.extend(checksums)
+        self._count += n
+        return first
 
     def _new_slot(self, space: tuple, key: bytes, fingerprint: str, nbytes: int,
                   runs: list[Run]) -> int:

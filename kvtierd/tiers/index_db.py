@@ -146,9 +146,10 @@ class ChunkIndexDB:
                 yield IndexRow(tenant, ns, rank, bytes(key), fp, nbytes, bytes(checksum),
                                unpack_runs(runs))
 
-    def raw_rows(self, batch: int = 65536) -> Iterator[tuple]:
+    def row_batches(self, batch: int = 4096) -> Iterator[list[tuple]]:
         """Rows as SQLite returns them, ``(tenant, namespace, rank, key, fingerprint, nbytes,
-        checksum, runs blob)``: recovery indexes them without an object per row."""
+        checksum, runs blob)``, ``batch`` at a time: recovery indexes them without an object per
+        row."""
         cur = self._db.execute(
             "SELECT tenant, namespace, rank, key, fingerprint, nbytes, checksum, runs FROM chunks"
         )
@@ -156,7 +157,7 @@ class ChunkIndexDB:
             fetched = cur.fetchmany(batch)
             if not fetched:
                 return
-            yield from fetched
+            yield fetched
 
     def clear(self) -> None:
         """Delete every row in one transaction."""
