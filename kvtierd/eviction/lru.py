@@ -83,7 +83,12 @@ class LRUPolicy(EvictionPolicy):
         pos = len(log)
         size = len(stamp)
         append = log.append
-        if part < 0:
+        if part < 0 and slots and max(slots) < size and NONE not in map(stamp.__getitem__, slots):
+            for slot in slots:  # all members (the common case): the log grows in one go
+                stamp[slot] = pos
+                pos += 1
+            log.extend(slots)
+        elif part < 0:
             for slot in slots:
                 if slot < size and stamp[slot] != NONE:
                     stamp[slot] = pos

@@ -169,8 +169,9 @@ class OpHandlers:
         unless a hit is leased), the NVMe tier only for the CPU tier's misses."""
         keys = requests.batch(header, "keys", self.cfg.max_batch)
         lease = requests.flag(header, "lease", False)
-        for key in keys:
-            if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+        if keys and not (set(map(type, keys)) == {bytes} and min(map(len, keys)) > 0
+                         and max(map(len, keys)) <= MAX_KEY_BYTES):  # checked in C first
+            for key in keys:
                 problem = requests.key_problem(key)
                 if problem is not None:
                     raise ProtocolError(problem[0], problem[1])

@@ -57,6 +57,12 @@ class TierIndex:
         fp = index.fingerprint_id(fingerprint)
         get, active, fps, flags = found.keys.get, index.active, index.fp_column, index.flags
         out = [get(key, MISS_SLOT) for key in keys]
+        hits = [slot for slot in out if slot >= 0]
+        part = self.part_of_tenant(found.tenant)
+        if active.keys().isdisjoint(hits) and list(map(fps.__getitem__, hits)).count(fp) == len(hits):
+            # The common case, checked in C: every hit is an idle READY chunk of this layout.
+            self.policy.touch_many(hits, part)
+            return out
         ready = ChunkState.READY
         hits = []
         mismatches = 0
@@ -70,7 +76,7 @@ class TierIndex:
                 mismatches += 1
             else:
                 hits.append(slot)
-        self.policy.touch_many(hits, self.part_of_tenant(found.tenant))
+        self.policy.touch_many(hits, part)
         if mismatches:
             self.counters["layout_mismatch"] += mismatches
         return out
