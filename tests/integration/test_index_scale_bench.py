@@ -27,6 +27,7 @@ def test_index_scale_quick_runs_and_reports_every_row(tmp_path):
         assert result[part]["chunks"] > 0 and result[part]["bytes_per_chunk"] > 0, result[part]
     for part in ("warm_arena", "nvme"):
         assert result[part]["restart_s"] > 0 and result[part]["empty_restart_s"] > 0
+        assert result[part]["restart_cpu_s"] > 0 and result[part]["empty_restart_cpu_s"] > 0
     assert set(result["warm_arena"]["lookup"]) == {"1", "64", "1024"}
     for rates in result["warm_arena"]["lookup"].values():
         assert rates["keys_per_s"] > 0 and rates["ping_keys_per_s"] > 0
