@@ -74,6 +74,7 @@ class KVTierClient:
         self._transport = Transport(address, timeout_s)
         self._staging: MemfdStagingBuffer | Any = None  # or a CudaStagingBuffer
         self._limits: dict[str, int] = {}
+        self._events = False
         self.session_id: int | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-client")
         self._last_call = time.monotonic()
@@ -210,6 +211,7 @@ class KVTierClient:
             raise
         self._staging = staging
         self._limits = header["limits"]
+        self._events = bool(header.get("events"))  # the daemon publishes KV events
         self.session_id = header["session"]
 
     def _staging_tensor(self) -> torch.Tensor:
@@ -284,8 +286,10 @@ class KVTierClient:
         out: list[bool] = []
         for batch in self._batches(chunks):
             units = self._units(batch)
-            header, _ = self._call(Op.PUT, lambda: self._gather(units, ready),
-                                   items=self._items(batch))
+            fields: dict[str, Any] = {"items": self._items(batch)}
+            if self._events:  # the daemon announces stores: say which engine blocks each covers
+                fields["blocks"] = [_blocks(c) for c, _ in batch]
+            header, _ = self._call(Op.PUT, lambda: self._gather(units, ready), **fields)
             out.extend(status in STORED for status in header["results"])
         return out
 
@@ -341,3 +345,11 @@ class KVTierClient:
         except (DaemonUnavailable, DaemonError) as exc:
             log.warning("kvtierd heartbeat failed: %s", exc)
             self._abandon_session()
+
+
+def _blocks(chunk: Chunk) -> dict[str, Any] | None:
+    """A chunk's entry of PUT's ``blocks`` (kvtierd.event_blocks): hashes only, no token ids (they
+    would multiply the header; routers learn tokens from the engine's own events)."""
+    if not chunk.hashes:
+        return None
+    return {"hashes": list(chunk.hashes), "parent": chunk.parent, "group": chunk.group}

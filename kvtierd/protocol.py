@@ -20,7 +20,8 @@ appended; a daemon answers an unknown ``v`` with ``UNSUPPORTED_VERSION`` naming 
 Per-op fields (request -> reply):
 
 * HELLO ``namespace: str, world_size: int, rank: int, fingerprint: str, staging: {kind, ...},
-  token?: str, client?: map`` -> ``session: int, page_bytes: int, limits: map, daemon: str``.
+  token?: str, client?: map`` -> ``session: int, page_bytes: int, limits: map, daemon: str,
+  events: bool`` (``events``: the daemon publishes KV events, so PUT's ``blocks`` is worth sending).
   ``world_size`` is 1..4096 and ``0 <= rank < world_size``; strings and the free-form ``client``
   map are bounded (README "Protocol"). The session's *tenant* is never a field: the daemon assigns
   it from the token (a configured tenant's) or the peer's credentials, which the ticket carries.
@@ -36,11 +37,17 @@ Per-op fields (request -> reply):
   ``BAD_HANDLE``: a name can be opened, swapped or truncated by others, a sealed memfd cannot.
 * PING -> ``handshake: str`` (the path of the staging handshake socket; needs no session or
   token) and is also a session heartbeat.
-* LOOKUP ``keys: [bytes], lease?: bool`` -> ``tiers: [int]`` (``Tier`` per key, 0 = miss).
+* LOOKUP ``keys: [bytes], lease?: bool`` -> ``tiers: [int]`` (``Tier`` per key, 0 = miss). With a
+  remote tier the reply may wait for one batched existence check of the keys no tier knows.
 * PUT ``items: [[key, offset, nbytes], ...]`` -> ``results: [int]`` (``Status`` per item; ``EXISTS``
   means the key was already stored by the same layout and nothing was copied; ``QUOTA_EXCEEDED``
   that the tenant's CPU-tier quota is full of its own chunks that cannot be evicted).
   ``0 <= offset <= 2**62`` and ``1 <= nbytes <= 2**62`` (and inside the staging buffer).
+  Optional ``blocks: [entry | nil, ...]``, one per item: the engine block hashes (and optionally
+  parent hash, token ids, block size, group) the chunk covers, for the KV events announcing it
+  (``kvtierd.event_blocks``; a bad entry fails its item with ``BAD_REQUEST``). Optional, so no
+  version change: a daemon before it ignores the field, and a client sends it only when HELLO
+  said ``events``.
 * GET ``items: [[key, offset, nbytes], ...]`` -> ``results: [int]`` (``OK`` or why it is a miss).
 * DELETE ``keys: [bytes]`` -> ``results: [int]``.
 * STATS ``token?: str`` -> ``stats: map`` (tiers, chunks, counters; what ``kvtierd stats``
@@ -138,6 +145,9 @@ class Tier(enum.IntEnum):
     NONE = 0
     CPU = 1
     NVME = 2
+    # Held by the remote tier (another node may have stored it); a GET promotes it. Clients that
+    # predate it decode an unknown number as a miss (kvtier_client.index), never as a hit.
+    REMOTE = 3
 
 
 class ProtocolError(Exception):

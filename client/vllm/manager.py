@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
+    OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
@@ -41,6 +42,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtierd.protocol import Tier
 
 from ..index import KVTierIndex
+from .events import EventFeed
 from .geometry import check_against_config, layout_path, read_published
 from .lookups import StepLookups
 from .settings import KVTierSettings
@@ -73,6 +75,9 @@ class KVTierOffloadingManager(OffloadingManager):
         self._next_attach = 0.0
         self._lookups = StepLookups(self._ask)
         self._unavailable = 0  # lookups answered "miss" because the daemon was unavailable
+        # vLLM's KV events (take_events): only when the engine publishes them, else nobody drains
+        self._events = (EventFeed(settings.events_address)
+                        if getattr(config, "enable_kv_cache_events", False) else None)
 
     @property
     def lock(self) -> threading.Lock:
@@ -153,7 +158,10 @@ class KVTierOffloadingManager(OffloadingManager):
         return LookupResult.MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        # vLLM has no "remote store" source of its own: its fallback names one.
         tier = self._lookups.known(bytes(key))
+        if tier == Tier.REMOTE:
+            return CacheHitSource.EXTERNAL_UNSPECIFIED
         return CacheHitSource.DISK if tier == Tier.NVME else CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -167,6 +175,16 @@ class KVTierOffloadingManager(OffloadingManager):
         new = [k for k, t in zip(keys, tiers) if not t] if tiers is not None else []
         return PrepareStoreOutput(keys_to_store=[OffloadKey(k) for k in new],
                                   store_spec=KVTierLoadStoreSpec(new), evicted_keys=[])
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        # the daemon committed (or refused) the chunks already; this only feeds vLLM's KV events
+        if success and self._events is not None:
+            self._events.stored(bytes(k) for k in keys)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """vLLM publishes these through the engine's own KV-event publisher (``events``)."""
+        return self._events.take() if self._events is not None else ()
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -208,6 +226,8 @@ class KVTierOffloadingManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self._lookups.close()
+        if self._events is not None:
+            self._events.close()
         for index in self._indexes or ():
             index.close()
         self._indexes = None

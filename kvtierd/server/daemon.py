@@ -27,6 +27,8 @@ import zmq
 from kvtierd import __version__, cuda_health
 from kvtierd.config import Config
 from kvtierd.copy.engine import CopyEngine
+from kvtierd.events import (
+    NO_EVENTS, ChainEventsAdapter, EventsBindError, EventsCollector, NoEvents, make_events)
 from kvtierd.ghost import GhostCaches, GhostCollector
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.notify import Notifier
@@ -46,7 +48,9 @@ from kvtierd.server.connections import (
 from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
 from kvtierd.server.handshake import HandshakeServer
-from kvtierd.server.movement import TierMover
+from kvtierd.remote import build_remote_tier
+from kvtierd.remote.mooncake import RemoteSetupError
+from kvtierd.server.chain import TierChain
 from kvtierd.server.probes import ProbeSchedule
 from kvtierd.server.sessions import SessionTable
 from kvtierd.server.socket_files import AlreadyServing  # noqa: F401 (the CLI's import)
@@ -63,7 +67,9 @@ from kvtierd.staging import MemfdStaging
 from kvtierd.tiers.arena import SHM_DIR, Arena
 from kvtierd.tiers.index_db import ChunkIndexDB
 from kvtierd.tiers.cpu import CpuTier
-from kvtierd.tiers.nvme import NvmeTier
+from kvtierd.tiers.lower import LowerTier, Publish, PublishPolicy
+from kvtierd.tiers.base import TierIndex
+from kvtierd.tiers.nvme_lower import NvmeLowerTier
 from kvtierd.tiers.pinning import ArenaPinner
 
 log = logging.getLogger(__name__)
@@ -76,6 +82,11 @@ MAX_TICKETS = 256  # handshakes awaiting their HELLO (each may hold a client's m
 LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
 
 
+def remote_policy(cfg: Config) -> PublishPolicy:
+    """The remote tier's publishing policy (``remote_publish``, ``remote_publish_after_reads``)."""
+    return PublishPolicy(Publish(cfg.remote_publish), cfg.remote_publish_after_reads)
+
+
 class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -85,6 +96,7 @@ class Daemon:
         # Before anything opens files: every connection costs a descriptor (see connections).
         self.max_connections = connection_limit(cfg.max_connections, raise_nofile_limit())
         self.ctx: zmq.Context | None = None
+        self.events: NoEvents = NO_EVENTS
         self.socket: zmq.Socket | None = None
         self.guard: ConnectionGuard | None = None
         self.tickets = TicketBook(cfg.ticket_timeout_s, MAX_TICKETS)
@@ -98,6 +110,7 @@ class Daemon:
             # Binds first: a taken port or an unbindable path ends the start before the arena.
             self.ctx, self.socket, self.monitor = bind_router(cfg, MONITOR_EVENTS)
             bind_handshake(self.handshake, cfg)
+            self.events = self._bind_events(cfg)  # kv-events hook: bound before the arena
             self.metrics_address = serve_metrics(self.metrics, cfg.metrics_addr)
             prepare_arena_room(cfg)
             self.notifier.status(f"mapping the CPU tier ({cfg.cpu_bytes} bytes)")
@@ -109,6 +122,7 @@ class Daemon:
         except BaseException as exc:
             self._start_failed(exc)
             self.handshake.close()
+            self.events.close()
             self._close_sockets()
             self.metrics.close()
             raise
@@ -122,10 +136,18 @@ class Daemon:
         except BaseException as exc:
             self._start_failed(exc)
             self.handshake.close()
+            self.events.close()
             self._close_sockets()
             self.metrics.close()
             self.arena.close(unlink=not cfg.cpu_persistent)
             raise
+
+    @staticmethod
+    def _bind_events(cfg: Config) -> NoEvents:
+        try:
+            return make_events(cfg)
+        except EventsBindError as exc:
+            raise StartupError(exc.key, exc.value, exc.reason) from None
 
     def _start_failed(self, exc: BaseException) -> None:
         """systemd shows the reason in ``systemctl status`` (STATUS=), as the log does."""
@@ -140,18 +162,12 @@ class Daemon:
             quota_pages=self._quota_pages,
         )
         self._attach_arena_index(cfg)
-        self.nvme = self._open_nvme(cfg)
-        if self.nvme is not None and len(self.tier.index):  # warm restart: which copies are clean
-            clean = self.tier.mark_on_nvme(self.nvme.index)
-            log.info("%d of %d re-attached arena chunks have their NVMe copy", clean,
-                     len(self.tier.index))
         self.engine = CopyEngine(cfg.copy_threads)
         self.io_engine = CopyEngine(cfg.io_threads, inline_bytes=-1)  # disk I/O never inline
-        self.mover = TierMover(self.tier, self.nvme, self.io_engine, self.metrics,
-                               write_through=cfg.nvme_write_policy == "write-through")
+        self.mover = TierChain(self.tier, self._lower_tiers(cfg), self.io_engine, self.metrics)
         self.metrics.add_tiers(self.mover.tier_stats)
         self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s,
-                                     lower=self.nvme)
+                                     lower=self.mover.lower)
         accounting = Accounting(self.metrics)
         # a session's staging buffer may hold a descriptor: no more sessions than connections
         max_sessions = min(cfg.max_sessions, self.max_connections)
@@ -163,6 +179,7 @@ class Daemon:
                                    self.tickets, self.tenants)
         self.handlers.metrics_address = self.metrics_address
         self.handlers.handshake_stats = self.handshake.counts
+        self.handlers.send = self._send  # LOOKUPs answered after a lower tier's existence check
         self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
         self._ready_sent = False
         self._pinned_reported = -1
@@ -175,6 +192,7 @@ class Daemon:
         self.handlers.ghosts = self.data.ghosts = GhostCaches(tiers, cfg.page_bytes)
         self.metrics.registry.register(GhostCollector(self.handlers.ghosts))
         self.metrics.prime(name for name, _ in tiers)
+        self._wire_events()
         self._dispatch: dict[Op, Callable[..., Any]] = {
             Op.PING: self.handlers.ping,
             Op.STATS: self.handlers.stats,
@@ -187,6 +205,16 @@ class Daemon:
         }
         self._stop = threading.Event()
         self.probes = ProbeSchedule()
+
+    def _wire_events(self) -> None:
+        """kv-events hooks: PUT commits with their ``blocks`` (DataOps), every store and drop of
+        every tier (the chain's ChainEvents), every removal from the arena (CpuTier.on_remove);
+        all no-ops without events_addr."""
+        self.data.events = self.events
+        if self.events.enabled:
+            self.mover.events = ChainEventsAdapter(self.events)
+        self.tier.on_remove = lambda entry: self.events.removed(entry.ikey, "cpu")
+        self.metrics.registry.register(EventsCollector(self.events))
 
     def _quota_pages(self, tenant: str) -> int:
         """A tenant's quota in whole pages (rounded down, never past max_bytes), at least one:
@@ -206,17 +234,40 @@ class Daemon:
         log.info("persistent arena %s: %s, %d chunks re-attached (checked on first read)",
                  self.arena.path, "re-attached" if self.arena.attached else "new", recovered)
 
+    def _lower_tiers(self, cfg: Config) -> list[tuple[LowerTier, PublishPolicy]]:
+        """The tiers below the arena, in chain order, each with its publishing policy. Opened one
+        by one; a failure closes the ones already open (the start fails with its message)."""
+        tiers: list[tuple[LowerTier, PublishPolicy]] = []
+        try:
+            nvme = self._open_nvme(cfg)
+            if nvme is not None:
+                when = (Publish.ON_COMMIT if cfg.nvme_write_policy == "write-through"
+                        else Publish.ON_EVICT)
+                tiers.append((nvme, PublishPolicy(when, cfg.nvme_publish_after_reads)))
+            try:
+                remote = build_remote_tier(cfg, self.arena)
+            except RemoteSetupError as exc:
+                raise StartupError("remote.backend", cfg.remote.backend, str(exc)) from None
+            if remote is not None:
+                tiers.append((remote, remote_policy(cfg)))
+        except BaseException:
+            for tier, _ in tiers:
+                tier.close()
+            raise
+        return tiers
+
     @staticmethod
-    def _open_nvme(cfg: Config) -> NvmeTier | None:
+    def _open_nvme(cfg: Config) -> NvmeLowerTier | None:
         if not cfg.nvme_bytes:
             log.info("NVMe tier off (nvme_bytes = 0)")
             return None
         fault_file = Path(cfg.nvme_fault_file) if cfg.nvme_fault_file else None
         if fault_file is not None:
             log.warning("NVMe fault injection is ON (%s): a test setting", fault_file)
-        return NvmeTier(cfg.resolved_nvme_dir(), cfg.nvme_bytes, cfg.page_bytes,
-                        policy=cfg.eviction_policy, fault_file=fault_file,
-                        instance=cfg.instance_id, dir_mode=cfg.state_dir_bits)
+        return NvmeLowerTier(cfg.resolved_nvme_dir(), cfg.nvme_bytes, cfg.page_bytes,
+                             policy=cfg.eviction_policy, fault_file=fault_file,
+                             instance=cfg.instance_id, dir_mode=cfg.state_dir_bits,
+                             queue_depth=cfg.io_queue_depth)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -228,6 +279,9 @@ class Daemon:
                 signal.signal(signal.SIGTERM, self.request_stop)
                 signal.signal(signal.SIGINT, self.request_stop)
             self._start_threads()
+            if self.events.enabled:
+                self.events.start()
+                self.events.cleared()  # what an earlier run announced is void
             log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes)",
                      __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
                      self.cfg.page_bytes)
@@ -282,19 +336,23 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.engine.wake_fd, zmq.POLLIN)
-        poller.register(self.io_engine.wake_fd, zmq.POLLIN)
+        io_engines = {engine.wake_fd: engine for engine in self.mover.engines}
+        for fd in io_engines:
+            poller.register(fd, zmq.POLLIN)
         next_tick = time.monotonic() + TICK_S
         while not self._stop.is_set():
             timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
             events = dict(poller.poll(timeout_ms))
             if self.engine.wake_fd in events:
                 self._drain_completions()
-            if self.io_engine.wake_fd in events:
-                self._drain_io()
+            for fd, engine in io_engines.items():
+                if fd in events:
+                    self._drain_io(engine)
             if self.socket in events:
                 self._drain_requests()
             self.mover.flush()  # writes and deletes queued by what was just handled
             self._compact()
+            self.events.flush()  # kv-events hook: this iteration's events, one batch per topic
             if cuda_health.any_lost():  # a sticky CUDA error: stop serving, exit for a restart
                 self._stop.set()
                 break
@@ -307,8 +365,9 @@ class Daemon:
         """Fold the chunks that went idle during this iteration back into the compact indexes:
         between iterations nobody holds an entry it has not referenced or pinned."""
         self.tier.compact()
-        if self.nvme is not None:
-            self.nvme.compact()
+        for tier in self.mover.lower:
+            if isinstance(tier, TierIndex):  # a tier with a compact index (NVMe)
+                tier.compact()
 
     def _drain_requests(self) -> None:
         assert self.socket is not None
@@ -326,12 +385,12 @@ class Daemon:
             except Exception:
                 log.exception("completing a copy failed")
 
-    def _drain_io(self) -> None:
-        for job, result, error in self.io_engine.completions():
+    def _drain_io(self, engine: CopyEngine) -> None:
+        for job, result, error in engine.completions():
             try:
                 self.mover.on_io_done(job, result, error)
             except Exception:
-                log.exception("completing an NVMe job failed")
+                log.exception("completing a lower-tier job failed")
 
     def _probe_sessions(self, since: float) -> None:
         """Probe the sessions not heard from since the latest disconnect (``probes``)."""
@@ -371,18 +430,21 @@ class Daemon:
         log.info("kvtierd stopping")
         deadline = time.monotonic() + 30.0
         self.mover.flush()
-        while (self.engine.in_flight or self.io_engine.in_flight) and time.monotonic() < deadline:
+        while ((self.engine.in_flight or any(e.in_flight for e in self.mover.engines))
+               and time.monotonic() < deadline):
             time.sleep(0.01)
             self._drain_completions()
-            self._drain_io()
+            for engine in self.mover.engines:
+                self._drain_io(engine)
             self.mover.flush()
         self.handshake.close()
         self.tickets.close_all()
         self.sessions.close_all("daemon stopping")
         self.engine.close()
         self.io_engine.close()
-        if self.nvme is not None:
-            self.nvme.close()
+        self.mover.close()
+        self.events.cleared()  # kv-events hook: what it announced goes with it (or is unknown)
+        self.events.close()
         self._close_sockets()
         self.metrics.close()
         if self.tier.db is not None:

@@ -1,7 +1,8 @@
 """Session and index ops: HELLO, BYE, PING, LOOKUP, DELETE, STATS, CHECK (one method each).
 
 The ops that move bytes (PUT, GET) live in ``data_ops``. Each method returns the reply's fields, or
-raises ``ProtocolError`` for a request refused as a whole.
+raises ``ProtocolError`` for a request refused as a whole; a LOOKUP waiting for a lower tier's
+existence check returns None and is answered through ``send``.
 """
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ from kvtierd.protocol import (
     ProtocolError,
     Status,
     Tier,
+    reply,
 )
 from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.admission import token_matches
-from kvtierd.server.movement import TierMover
+from kvtierd.server.chain import TierChain
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
 from kvtierd.staging_cuda import CudaIpcStaging
 from kvtierd.tenants import OTHER_LABEL, TenantTable
-from kvtierd.tiers.base import MISMATCH_SLOT, MISS_SLOT
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class OpHandlers:
     def __init__(
         self,
         cfg: Config,
-        mover: TierMover,
+        mover: TierChain,
         sessions: SessionTable,
         metrics: DaemonMetrics,
         accounting: Accounting,
@@ -57,6 +58,7 @@ class OpHandlers:
         self.metrics = metrics
         self.accounting = accounting
         self.tickets = tickets
+        self.send: Callable[..., object] = lambda *args, **kw: None  # the daemon's reply sender
         self.handshake_stats: dict[str, int] = {}  # the handshake server's counts (STATS)
         self.ghosts = GhostCaches([], cfg.page_bytes)  # the daemon sets the real ones
         self.started_at = time.time()
@@ -98,6 +100,7 @@ class OpHandlers:
             "page_bytes": self.cfg.page_bytes,
             "daemon": __version__,
             "limits": self.limits(),
+            "events": bool(self.cfg.events_addr),  # PUT's ``blocks`` is worth sending
         }
 
     def _authorise(self, header: dict) -> str:
@@ -164,58 +167,53 @@ class OpHandlers:
         return {"handshake": str(self.cfg.handshake_path)}
 
     # -- index -----------------------------------------------------------------------------------
-    def lookup(self, session: Session, header: dict, frames: list) -> dict:
-        """Batched: each tier answers the whole batch from its compact index (no entry built
-        unless a hit is leased), the NVMe tier only for the CPU tier's misses."""
+    def lookup(self, session: Session, header: dict, frames: list) -> dict | None:
+        """Answered now, or (None) once the batched existence checks of the keys that only a
+        lower tier such as the remote one can tell about have answered (``TierChain.check``)."""
         keys = requests.batch(header, "keys", self.cfg.max_batch)
         lease = requests.flag(header, "lease", False)
-        if keys and not (set(map(type, keys)) == {bytes} and min(map(len, keys)) > 0
-                         and max(map(len, keys)) <= MAX_KEY_BYTES):  # checked in C first
-            for key in keys:
-                problem = requests.key_problem(key)
-                if problem is not None:
-                    raise ProtocolError(problem[0], problem[1])
-        space, fingerprint = session.space, session.fingerprint
-        cpu, nvme = self.mover.cpu, self.mover.nvme
-        slots = cpu.lookup_slots(space, keys, fingerprint)
-        codes = [int(Tier.CPU) if slot >= 0 else int(Tier.NONE) for slot in slots]
-        below: dict[int, int] = {}  # batch index -> NVMe slot (hit or MISS/MISMATCH_SLOT)
-        if nvme is not None:
-            missed = [i for i, slot in enumerate(slots) if slot == MISS_SLOT]
-            if missed:
-                found = nvme.lookup_slots(space, [keys[i] for i in missed], fingerprint)
-                below = dict(zip(missed, found))
-                for i, slot in below.items():
-                    if slot >= 0:
-                        codes[i] = int(Tier.NVME)
-        self._count_lookups(session, keys, slots, below)
-        if lease:
-            for i, slot in enumerate(slots):
-                if slot >= 0:
-                    self.sessions.lease(session, cpu.index.entry(slot))
-                elif below.get(i, -1) >= 0:
-                    self.sessions.lease(session, nvme.index.entry(below[i]))
-        return {"tiers": codes}
+        for key in keys:
+            problem = requests.key_problem(key)
+            if problem is not None:
+                raise ProtocolError(problem[0], problem[1])
+        ikeys = [session.ikey(key) for key in keys]
+        found = [self.mover.lookup(ikey, session.fingerprint) for ikey in ikeys]
+        missed = [ikey for ikey, (status, _, entry) in zip(ikeys, found)
+                  if entry is None and status is Status.MISS]
+        if missed and self.mover.checks_existence:
+            started = time.perf_counter()
 
-    def _count_lookups(self, session: Session, keys: list, slots: list[int],
-                       below: dict[int, int]) -> None:
-        """Hits by tier and misses by reason (one metric update per label, not per key), and
-        the batch into the capacity-planning ghosts."""
-        names: list[str | None] = ["cpu" if slot >= 0 else None for slot in slots]
-        nvme_hits = 0
-        for i, slot in below.items():
-            if slot >= 0:
-                names[i] = "nvme"
-                nvme_hits += 1
-        cpu_hits = len(keys) - names.count(None) - nvme_hits
-        mismatches = slots.count(MISMATCH_SLOT) + sum(
-            1 for slot in below.values() if slot == MISMATCH_SLOT)
-        misses = len(keys) - cpu_hits - nvme_hits - mismatches
-        hits = {tier: n for tier, n in ((Tier.CPU, cpu_hits), (Tier.NVME, nvme_hits)) if n}
-        failed = {status: n for status, n in ((Status.MISS, misses),
-                                              (Status.LAYOUT_MISMATCH, mismatches)) if n}
-        self.accounting.lookup_counts(hits, failed)
-        self.ghosts.access_many(session.space, keys, names)
+            def later() -> None:  # answered with what the tiers know now
+                try:
+                    again = [self.mover.lookup(ikey, session.fingerprint) for ikey in ikeys]
+                    fields = self._lookup_answer(session, ikeys, again,
+                                                 lease and not session.closed)
+                    header_out, status = reply(header.get("id"), Status.OK, **fields), "OK"
+                except Exception as exc:  # every request gets a reply, even this late
+                    log.exception("answering a LOOKUP after its existence check failed")
+                    header_out = reply(header.get("id"), Status.INTERNAL, f"internal error: {exc}")
+                    status = Status.INTERNAL.name
+                self.send(session.identity, header_out, [])
+                self.metrics.requests.labels("lookup", status).inc()
+                self.metrics.latency.labels("lookup").observe(time.perf_counter() - started)
+
+            if self.mover.check(missed, session.fingerprint, later):
+                return None
+        return self._lookup_answer(session, ikeys, found, lease)
+
+    def _lookup_answer(self, session: Session, ikeys: list, found: list, lease: bool) -> dict:
+        tiers = []
+        for ikey, (status, tier, entry) in zip(ikeys, found):
+            self.ghosts.access(ikey, None if entry is None else tier.name.lower())
+            if entry is None:
+                self.accounting.lookup_miss(status)
+                tiers.append(int(Tier.NONE))
+                continue
+            self.accounting.lookup_hit(tier)
+            if lease:
+                self.sessions.lease(session, entry)
+            tiers.append(int(tier))
+        return {"tiers": tiers}
 
     def delete(self, session: Session, header: dict, frames: list) -> dict:
         keys = requests.batch(header, "keys", self.cfg.max_batch)
@@ -284,8 +282,7 @@ class OpHandlers:
         """Verify tier and session invariants; O(chunks), so an admin/test op, not a hot one."""
         try:
             self.tier.check_invariants()
-            if self.mover.nvme is not None:
-                self.mover.nvme.check_invariants()
+            self.mover.check_invariants()
             self.sessions.check_invariants()
             self.ghosts.check_invariants()
         except AssertionError as exc:

@@ -70,7 +70,7 @@ class Session:
 class SessionTable:
     def __init__(self, tier: CpuTier, timeout_s: float, lease_timeout_s: float,
                  lower: Any = None) -> None:
-        """``lower``: the tier below the CPU tier (NVMe), whose chunks a LOOKUP may lease too;
+        """``lower``: the tiers below the CPU tier, whose chunks a LOOKUP may lease too;
         a lease is pinned and unpinned in the tier whose index holds its entry."""
         self.tier = tier
         self.lower = lower
@@ -106,8 +106,11 @@ class SessionTable:
         session.leases[entry.ikey] = (entry, expiry)
 
     def _tier_of(self, entry: ChunkEntry) -> Any:
-        lower = self.lower
-        return lower if lower is not None and lower.index.holds(entry) else self.tier
+        for tier in self.lower or ():
+            holds = getattr(tier.index, "holds", None)
+            if holds is not None and holds(entry):
+                return tier
+        return self.tier
 
     def _unpin(self, entry: ChunkEntry) -> None:
         self._tier_of(entry).unpin(entry)
@@ -159,7 +162,7 @@ class SessionTable:
                 assert entry.ikey == ikey, "lease recorded under another key"
                 pins[id(entry)] = pins.get(id(entry), 0) + 1
         # A pinned chunk is always in its index's active form, so only those need a look.
-        tiers = [self.tier] if self.lower is None else [self.tier, self.lower]
+        tiers = [self.tier, *(t for t in self.lower or () if hasattr(t.index, "active"))]
         for tier in tiers:
             for entry in list(tier.index.active.values()):
                 assert entry.pin_count == pins.get(id(entry), 0), (

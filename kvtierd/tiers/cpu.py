@@ -64,6 +64,9 @@ class CpuTier(TierIndex):
         self.low_pages = int(self.num_pages * low_watermark)
         self.on_evict = on_evict
         self.policy_name = policy
+        # kv-events hook: called for every chunk that leaves the index (evicted, demoted, deleted,
+        # dropped after a failed check); set by the daemon.
+        self.on_remove: Callable[[ChunkEntry], None] = lambda entry: None
         self.demoter: Callable[[ChunkEntry], bool] | None = None
         # With a persistent arena: its crash-safe index (rows written at commit, deleted before
         # pages are reused). None: a private arena that dies with the process.
@@ -281,6 +284,7 @@ class CpuTier(TierIndex):
     def _remove(self, entry: ChunkEntry, row_deleted: bool = False) -> None:
         if self.db is not None and not row_deleted:  # the row goes before its pages are reused
             self.db.delete([entry.ikey])
+        self.on_remove(entry)  # kv-events hook
         self.policy.remove(entry.slot)
         self.index.discard(entry)
         self.ready_chunks -= 1

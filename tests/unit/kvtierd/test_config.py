@@ -107,6 +107,7 @@ def test_remote_tcp_socket_needs_allow_remote():
         ("metrics_addr", "localhost:", {"metrics_addr": "localhost:"}),
         ("lease_timeout_s", 0.0, {"lease_timeout_s": 0}),
         ("copy_threads", "two", {"copy_threads": "two"}),
+        ("io_queue_depth", 0, {"io_queue_depth": 0}),
         ("max_frame_bytes", 1024, {"max_frame_bytes": 1024}),
         ("arena_name", "a/b", {"arena_name": "a/b"}),
         ("log_level", "CHATTY", {"log_level": "chatty"}),
@@ -121,6 +122,9 @@ def test_remote_tcp_socket_needs_allow_remote():
         ("handshake_socket", "/" + "h" * 120, {"handshake_socket": "/" + "h" * 120}),
         ("socket", "/" + "s" * 105 + ".hs", {"socket": "ipc:///" + "s" * 105}),
         ("ticket_timeout_s", 0.0, {"ticket_timeout_s": 0}),
+        ("remote_publish", "on-read", {"remote_publish": "on-read"}),
+        ("nvme_publish_after_reads", -1, {"nvme_publish_after_reads": -1}),
+        ("remote_publish_after_reads", -2, {"remote_publish_after_reads": -2}),
     ],
 )
 def test_invalid_values_name_key_and_value(key, value, overrides):
