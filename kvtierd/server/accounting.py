@@ -13,7 +13,7 @@ engine recomputes.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import Status, Tier, status_name
@@ -32,6 +32,16 @@ class Accounting:
     def lookup_miss(self, status: Status) -> None:
         self.counts["lookup_misses"] += 1
         self.metrics.misses.labels(status.name.lower()).inc()
+
+    def lookup_counts(self, hits: Mapping[Tier, int], misses: Mapping[Status, int]) -> None:
+        """One LOOKUP batch's hits by tier and misses by reason: one update per label."""
+        for tier, n in hits.items():
+            self.counts["lookup_hits"] += n
+            self.counts[f"lookup_hits_{tier.name.lower()}"] += n
+            self.metrics.hits.labels(tier.name.lower()).inc(n)
+        for status, n in misses.items():
+            self.counts["lookup_misses"] += n
+            self.metrics.misses.labels(status.name.lower()).inc(n)
 
     def get_results(self, results: Iterable[int]) -> None:
         """The per-item statuses of one GET reply, exactly as the client receives them: tallied

@@ -68,6 +68,7 @@ from kvtierd.tiers.arena import SHM_DIR, Arena
 from kvtierd.tiers.index_db import ChunkIndexDB
 from kvtierd.tiers.cpu import CpuTier
 from kvtierd.tiers.lower import LowerTier, Publish, PublishPolicy
+from kvtierd.tiers.base import TierIndex
 from kvtierd.tiers.nvme_lower import NvmeLowerTier
 from kvtierd.tiers.pinning import ArenaPinner
 
@@ -165,7 +166,8 @@ class Daemon:
         self.io_engine = CopyEngine(cfg.io_threads, inline_bytes=-1)  # disk I/O never inline
         self.mover = TierChain(self.tier, self._lower_tiers(cfg), self.io_engine, self.metrics)
         self.metrics.add_tiers(self.mover.tier_stats)
-        self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s)
+        self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s,
+                                     lower=self.mover.lower)
         accounting = Accounting(self.metrics)
         # a session's staging buffer may hold a descriptor: no more sessions than connections
         max_sessions = min(cfg.max_sessions, self.max_connections)
@@ -349,6 +351,7 @@ class Daemon:
             if self.socket in events:
                 self._drain_requests()
             self.mover.flush()  # writes and deletes queued by what was just handled
+            self._compact()
             self.events.flush()  # kv-events hook: this iteration's events, one batch per topic
             if cuda_health.any_lost():  # a sticky CUDA error: stop serving, exit for a restart
                 self._stop.set()
@@ -357,6 +360,14 @@ class Daemon:
             if now >= next_tick:
                 next_tick = now + TICK_S
                 self._housekeeping(now)
+
+    def _compact(self) -> None:
+        """Fold the chunks that went idle during this iteration back into the compact indexes:
+        between iterations nobody holds an entry it has not referenced or pinned."""
+        self.tier.compact()
+        for tier in self.mover.lower:
+            if isinstance(tier, TierIndex):  # a tier with a compact index (NVMe)
+                tier.compact()
 
     def _drain_requests(self) -> None:
         assert self.socket is not None

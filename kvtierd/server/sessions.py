@@ -68,8 +68,12 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self, tier: CpuTier, timeout_s: float, lease_timeout_s: float) -> None:
+    def __init__(self, tier: CpuTier, timeout_s: float, lease_timeout_s: float,
+                 lower: Any = None) -> None:
+        """``lower``: the tiers below the CPU tier, whose chunks a LOOKUP may lease too;
+        a lease is pinned and unpinned in the tier whose index holds its entry."""
         self.tier = tier
+        self.lower = lower
         self.timeout_s = timeout_s
         self.lease_timeout_s = lease_timeout_s
         self.by_identity: dict[bytes, Session] = {}
@@ -97,14 +101,24 @@ class SessionTable:
             session.leases[entry.ikey] = (entry, expiry)
             return
         if held is not None:
-            self.tier.unpin(held[0])
-        self.tier.pin(entry)
+            self._unpin(held[0])
+        self._tier_of(entry).pin(entry)
         session.leases[entry.ikey] = (entry, expiry)
+
+    def _tier_of(self, entry: ChunkEntry) -> Any:
+        for tier in self.lower or ():
+            holds = getattr(tier.index, "holds", None)
+            if holds is not None and holds(entry):
+                return tier
+        return self.tier
+
+    def _unpin(self, entry: ChunkEntry) -> None:
+        self._tier_of(entry).unpin(entry)
 
     def release_lease(self, session: Session, ikey: Hashable) -> None:
         held = session.leases.pop(ikey, None)
         if held is not None:
-            self.tier.unpin(held[0])
+            self._unpin(held[0])
 
     # -- ending ----------------------------------------------------------------------------------
     def close(self, session: Session, reason: str) -> None:
@@ -115,7 +129,7 @@ class SessionTable:
         if self.by_identity.get(session.identity) is session:
             del self.by_identity[session.identity]
         for entry, _ in session.leases.values():
-            self.tier.unpin(entry)
+            self._unpin(entry)
         session.leases.clear()
         # Every reservation has its copy in flight (reserve and submit happen together); the loop
         # aborts it when that copy completes and sees the session closed.
@@ -147,10 +161,13 @@ class SessionTable:
             for ikey, (entry, _) in session.leases.items():
                 assert entry.ikey == ikey, "lease recorded under another key"
                 pins[id(entry)] = pins.get(id(entry), 0) + 1
-        for entry in self.tier.index.values():
-            assert entry.pin_count == pins.get(id(entry), 0), (
-                f"chunk {entry.ikey!r} has pin_count {entry.pin_count}, "
-                f"but {pins.get(id(entry), 0)} live lease(s)")
+        # A pinned chunk is always in its index's active form, so only those need a look.
+        tiers = [self.tier, *(t for t in self.lower or () if hasattr(t.index, "active"))]
+        for tier in tiers:
+            for entry in list(tier.index.active.values()):
+                assert entry.pin_count == pins.get(id(entry), 0), (
+                    f"chunk {entry.ikey!r} has pin_count {entry.pin_count}, "
+                    f"but {pins.get(id(entry), 0)} live lease(s)")
 
     def close_all(self, reason: str) -> None:
         for session in list(self.by_identity.values()):

@@ -42,6 +42,24 @@ class PageAllocator:
         alloc.free_pages = sum(alloc._lengths)
         return alloc
 
+    @classmethod
+    def from_page_map(cls, used: bytearray) -> PageAllocator:
+        """An allocator over ``len(used)`` pages whose free pages are the zero bytes of ``used``
+        (one byte per page, built by recovery: C-speed scans instead of sorting every run)."""
+        alloc = cls(len(used))
+        alloc._starts, alloc._lengths = [], []
+        total = len(used)
+        pos = used.find(0)
+        while pos >= 0:
+            end = used.find(1, pos)
+            if end < 0:
+                end = total
+            alloc._starts.append(pos)
+            alloc._lengths.append(end - pos)
+            pos = used.find(0, end) if end < total else -1
+        alloc.free_pages = sum(alloc._lengths)
+        return alloc
+
     def allocate(self, count: int) -> list[Run] | None:
         if count <= 0:
             raise ValueError(f"page count must be positive, got {count}")

@@ -1,51 +1,118 @@
-"""What every tier's index does alike: find a READY chunk for a reader of one layout."""
+"""What every tier's index does alike: find a READY chunk for a reader of one layout, pick the
+coldest evictable chunks, fold idle entries back into the compact index."""
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Hashable
+from typing import Hashable, Sequence
 
 from kvtierd.eviction.base import EvictionPolicy
 from kvtierd.protocol import Status
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
+from kvtierd.tiers.compact_index import ACTIVE, ChunkIndex
+
+MISS_SLOT = -1  # lookup_slots: no READY chunk under the key
+MISMATCH_SLOT = -2  # lookup_slots: a chunk written by another layout
 
 
 class TierIndex:
-    """Mixin: needs ``index``, ``policy`` and ``counters`` on the tier."""
+    """Mixin: needs ``index`` (a ChunkIndex), ``policy`` and ``counters`` on the tier."""
 
-    index: dict[Hashable, ChunkEntry]
+    index: ChunkIndex
     policy: EvictionPolicy
     counters: Counter[str]
+
+    def part_of_tenant(self, tenant_id: int) -> int:
+        """The eviction-policy partition of an interned tenant: -1 (none) unless the tier
+        evicts per tenant (the CPU tier, for tenants with a quota)."""
+        return -1
+
+    def part_of(self, slot: int) -> int:
+        return self.part_of_tenant(self.index.tenant_id(slot))
 
     def lookup(self, ikey: Hashable, fingerprint: str) -> tuple[Status, ChunkEntry | None]:
         """The READY chunk under ``ikey`` (touched for the eviction policy), a MISS, or
         LAYOUT_MISMATCH when it was written by another layout: never bytes for the wrong reader."""
-        entry = self.index.get(ikey)
-        if entry is None or entry.state is not ChunkState.READY:
+        index = self.index
+        slot = index.slot(ikey)
+        if slot < 0:
+            return Status.MISS, None
+        entry = index.entry(slot)
+        if entry.state is not ChunkState.READY:
             return Status.MISS, None
         if entry.fingerprint != fingerprint:
             self.counters["layout_mismatch"] += 1
             return Status.LAYOUT_MISMATCH, None
-        self.policy.touch(ikey)
+        self.policy.touch(slot, self.part_of(slot))
         return Status.OK, entry
+
+    def lookup_slots(self, space: tuple, keys: Sequence[bytes], fingerprint: str) -> list[int]:
+        """Batched ``lookup`` for one key space without building entries: per key the slot of its
+        READY chunk (touched), MISS_SLOT or MISMATCH_SLOT. ``index.entry(slot)`` gives the entry
+        of a hit (e.g. to lease it)."""
+        index = self.index
+        found = index.key_space(space)
+        if found is None:
+            return [MISS_SLOT] * len(keys)
+        fp = index.fingerprint_id(fingerprint)
+        get, active, fps, flags = found.keys.get, index.active, index.fp_column, index.flags
+        out = [get(key, MISS_SLOT) for key in keys]
+        hits = [slot for slot in out if slot >= 0]
+        part = self.part_of_tenant(found.tenant)
+        if active.keys().isdisjoint(hits) and list(map(fps.__getitem__, hits)).count(fp) == len(hits):
+            # The common case, checked in C: every hit is an idle READY chunk of this layout.
+            self.policy.touch_many(hits, part)
+            return out
+        ready = ChunkState.READY
+        hits = []
+        mismatches = 0
+        for i, slot in enumerate(out):
+            if slot < 0:
+                continue
+            if flags[slot] & ACTIVE and active[slot].state is not ready:  # PENDING
+                out[i] = MISS_SLOT
+            elif fps[slot] != fp:
+                out[i] = MISMATCH_SLOT
+                mismatches += 1
+            else:
+                hits.append(slot)
+        self.policy.touch_many(hits, part)
+        if mismatches:
+            self.counters["layout_mismatch"] += mismatches
+        return out
 
     def pick_victims(self, pages_needed: int, tenant: str | None = None
                      ) -> tuple[list[ChunkEntry], int]:
         """Coldest evictable chunks (READY, unleased, unread, not demoting) covering
         ``pages_needed`` pages, and the pages they hold; nothing when none are needed. With
         ``tenant``, only that tenant's chunks (a tenant over its quota evicts its own)."""
-        victims: list[ChunkEntry] = []
+        slots, freed = self.victim_slots(pages_needed, tenant)
+        return [self.index.entry(slot) for slot in slots], freed
+
+    def victim_slots(self, pages_needed: int, tenant: str | None = None
+                     ) -> tuple[list[int], int]:
+        """``pick_victims`` as slots: no entry is built for a choice the caller may drop."""
+        victims: list[int] = []
         freed = 0
         if pages_needed <= 0:
             return victims, freed
-        # Only a tier with a partitioned policy (the CPU tier) is asked for one tenant's victims.
-        keys = self.policy.victims() if tenant is None else self.policy.victims_of(tenant)
-        for ikey in keys:
-            entry = self.index[ikey]
-            if not entry.evictable:
+        index = self.index
+        if tenant is None:
+            slots = self.policy.victims()
+        else:
+            part = index.tenant_number(tenant)
+            slots = self.policy.victims(part) if part >= 0 else iter(())
+        active, pages_of = index.active, index.pages_of
+        for slot in slots:
+            entry = active.get(slot)
+            if entry is not None and not entry.evictable:
                 continue
-            victims.append(entry)
-            freed += entry.pages
+            victims.append(slot)
+            freed += pages_of(slot)
             if freed >= pages_needed:
                 break
         return victims, freed
+
+    def compact(self) -> int:
+        """Fold idle entries back into columns (the daemon, once per loop iteration)."""
+        return self.index.compact()

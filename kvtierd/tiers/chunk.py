@@ -7,6 +7,10 @@ its pages freed when the last reader releases it.
 
 ``ref_count`` (copies in flight) and ``pin_count`` (LOOKUP leases) are kept apart: both block
 eviction, but only refs block freeing the pages of a deleted chunk.
+
+An entry object exists only while its chunk is *hot* (PENDING, referenced, pinned, demoting, or
+handed out since the index last compacted); an idle READY chunk lives as columns of its tier's
+``ChunkIndex`` (``kvtierd.tiers.compact_index``) and becomes an object again when asked for.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ class ChunkState(enum.Enum):
     READY = "ready"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ChunkEntry:
     ikey: Hashable  # (space, key): the index key; space = (tenant, namespace, rank)
     fingerprint: str  # layout fingerprint of the writer; a reader must present the same
@@ -38,6 +42,7 @@ class ChunkEntry:
     on_nvme: bool = False  # (CPU tier) the NVMe tier holds a durable copy: dropping it is free
     demoting: bool = False  # (CPU tier) being written to NVMe; readable, leaves when durable
     verified: bool = True  # False after a warm restart until a read re-checks the checksum
+    slot: int = -1  # the chunk's slot in its tier's ChunkIndex; -1 once it left the index
     pages: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -19,18 +19,20 @@ Bytes are copied by the copy engine, outside this class; it only hands out byte 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from typing import Callable, Hashable
 
 from kvtierd.eviction import make_policy
-from kvtierd.eviction.partitioned import PartitionedPolicy
 from kvtierd.protocol import Status
 from kvtierd.tiers.allocator import PageAllocator
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.base import TierIndex
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments, tenant_of
+from kvtierd.tiers.compact_index import ACTIVE, ChunkIndex
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
+from kvtierd.tiers.recovery import load_rows
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +58,12 @@ class CpuTier(TierIndex):
         self.num_pages = arena.nbytes // page_bytes
         self.capacity_bytes = self.num_pages * page_bytes
         self.allocator = PageAllocator(self.num_pages)
-        # One order for all chunks and one per tenant (a tenant over its quota evicts its own).
-        self.policy = PartitionedPolicy(lambda: make_policy(policy), tenant_of)
+        # One order over all chunks, partitioned by tenant (a tenant over its quota evicts its own).
+        self.policy = make_policy(policy)
         self.high_pages = int(self.num_pages * high_watermark)
         self.low_pages = int(self.num_pages * low_watermark)
         self.on_evict = on_evict
+        self.policy_name = policy
         # kv-events hook: called for every chunk that leaves the index (evicted, demoted, deleted,
         # dropped after a failed check); set by the daemon.
         self.on_remove: Callable[[ChunkEntry], None] = lambda entry: None
@@ -70,13 +73,14 @@ class CpuTier(TierIndex):
         self.db: ChunkIndexDB | None = None
         self.demoting_pages = 0  # pages of chunks being demoted: free soon, not yet
         self.held_pages = 0  # pages (counted per reference) of chunks copies are reading now
-        self.index: dict[Hashable, ChunkEntry] = {}
+        self.index = ChunkIndex(page_bytes)
         self._doomed: set[ChunkEntry] = set()
         self.counters: Counter[str] = Counter()
         # Running totals, so that stats() and metric scrapes are O(1) however big the index.
         self.ready_chunks = self.ready_pages = 0
         self.pending_chunks = self.pending_pages = 0
         self.quota_pages = quota_pages
+        self._parts: dict[int, int] = {}  # interned tenant -> its LRU partition (-1: none)
         # Pages allocated to each tenant's chunks (pending, ready, demoting, doomed-but-read),
         # and of those the pages being demoted (they count as gone for the quota).
         self.tenant_pages: Counter[str] = Counter()
@@ -98,8 +102,8 @@ class CpuTier(TierIndex):
     def reserve(
         self, ikey: Hashable, fingerprint: str, nbytes: int, owner: int
     ) -> tuple[Status, ChunkEntry | None]:
-        existing = self.index.get(ikey)
-        if existing is not None:
+        existing = self.index.slot(ikey)
+        if existing >= 0:
             return self._existing_status(existing, fingerprint, nbytes), None
         pages = self.pages_for(nbytes)
         if pages > self.num_pages:
@@ -121,11 +125,20 @@ class CpuTier(TierIndex):
                 self.counters["reserve_no_space"] += 1
                 return Status.NO_SPACE, None
         entry = ChunkEntry(ikey=ikey, fingerprint=fingerprint, nbytes=nbytes, runs=runs, owner=owner)
-        self.index[ikey] = entry
+        self.index.add(entry)
         self.pending_chunks += 1
         self.pending_pages += pages
         self.tenant_pages[tenant] += pages
         return Status.OK, entry
+
+    def part_of_tenant(self, tenant_id: int) -> int:
+        """A tenant with a quota has its own LRU partition (it evicts its own coldest chunks);
+        the others need none. Quotas are fixed for the daemon's life, so this is cached."""
+        part = self._parts.get(tenant_id)
+        if part is None:
+            tenant = self.index.tenant_name(tenant_id)
+            part = self._parts[tenant_id] = tenant_id if self.quota_pages(tenant) else -1
+        return part
 
     def tenant_used_pages(self, tenant: str) -> int:
         """What counts against ``tenant``'s quota: its pages, less those being demoted."""
@@ -153,6 +166,7 @@ class CpuTier(TierIndex):
 
     def unmark_demoting(self, entry: ChunkEntry) -> None:
         entry.demoting = False
+        self.index.loosen(entry)
         self.demoting_pages -= entry.pages
         self.tenant_demoting[tenant_of(entry.ikey)] -= entry.pages
 
@@ -163,53 +177,52 @@ class CpuTier(TierIndex):
         if not self.tenant_pages[tenant]:
             del self.tenant_pages[tenant]
 
-    def _existing_status(self, entry: ChunkEntry, fingerprint: str, nbytes: int) -> Status:
-        if entry.fingerprint != fingerprint:
+    def _existing_status(self, slot: int, fingerprint: str, nbytes: int) -> Status:
+        """A re-PUT of an indexed key: a cheap answer from the columns (no entry built)."""
+        index = self.index
+        if index.fp_column[slot] != index.fingerprint_id(fingerprint):
             self.counters["layout_mismatch"] += 1
             return Status.LAYOUT_MISMATCH
-        if entry.state is ChunkState.PENDING:
+        if index.flags[slot] & ACTIVE and index.active[slot].state is ChunkState.PENDING:
             return Status.BUSY
-        if entry.nbytes != nbytes:
+        if index.nbytes_of(slot) != nbytes:
             return Status.SIZE_MISMATCH
-        self.policy.touch(entry.ikey)
+        self.policy.touch(slot, self.part_of(slot))
         return Status.EXISTS
 
     def attach_index(self, db: ChunkIndexDB, attached: bool) -> int:
-        """Make the tier persistent; if the arena was re-attached, re-index its chunks (they are
-        re-verified on first read). Returns the number of chunks recovered."""
+        """Make the tier persistent; if the arena was re-attached, re-index its chunks straight
+        into the compact index (they are re-verified on first read). Returns the number of
+        chunks recovered."""
         self.db = db
         if not attached or db.reset_reason:
-            db.delete([row.ikey for row in db.rows()])
+            db.clear()
             return 0
-        self.tenant_pages.clear()
-        used = []
-        for row in db.rows():
-            entry = ChunkEntry(ikey=row.ikey, fingerprint=row.fingerprint, nbytes=row.nbytes,
-                               runs=row.runs, owner=0, state=ChunkState.READY,
-                               checksum=row.checksum, verified=False)
-            if entry.pages != self.pages_for(row.nbytes):
-                continue
-            self.index[row.ikey] = entry
-            used.extend(row.runs)
-        try:
-            self.allocator = PageAllocator.from_used(self.num_pages, used)
-        except ValueError as exc:
-            log.error("arena index names overlapping pages (%s); starting cold", exc)
-            db.delete(list(self.index))
+        loaded = load_rows(db, self.index, self.policy, self.part_of, self.num_pages,
+                           verified=False)
+        if loaded.allocator is None:
+            log.error("arena index names overlapping pages (%s); starting cold", loaded.overlap)
+            db.clear()
             self.index.clear()
+            self._parts.clear()
+            self.policy = make_policy(self.policy_name)
             return 0
-        stale = [row.ikey for row in db.rows() if row.ikey not in self.index]
-        if stale:
-            db.delete(stale)
-        for entry in self.index.values():
-            self.policy.insert(entry.ikey)
-            self.ready_chunks += 1
-            self.ready_pages += entry.pages
-            self.tenant_pages[tenant_of(entry.ikey)] += entry.pages
+        self.allocator = loaded.allocator
+        if loaded.bad:
+            db.delete(loaded.bad)
+        self.tenant_pages.clear()
+        self.tenant_pages.update(loaded.tenant_pages)
+        self.ready_chunks = len(self.index)
+        self.ready_pages = loaded.pages
         return len(self.index)
 
+    def mark_on_nvme(self, below: ChunkIndex) -> int:
+        """Warm restart beside an NVMe tier: flag the chunks whose NVMe copy (same key, same
+        checksum) exists, so evicting them is free. Returns how many."""
+        return self.index.mark_copies(below)
+
     def commit(self, entry: ChunkEntry, checksum: bytes) -> None:
-        assert entry.state is ChunkState.PENDING and self.index.get(entry.ikey) is entry
+        assert entry.state is ChunkState.PENDING and self.index.holds(entry)
         if self.db is not None:  # durable before the PUT is answered
             self.db.insert([IndexRow.of(entry.ikey, entry.fingerprint, entry.nbytes, checksum,
                                         entry.runs)])
@@ -219,12 +232,13 @@ class CpuTier(TierIndex):
         self.pending_pages -= entry.pages
         self.ready_chunks += 1
         self.ready_pages += entry.pages
-        self.policy.insert(entry.ikey)
+        self.policy.insert(entry.slot, self.part_of(entry.slot))
+        self.index.loosen(entry)
         self.counters["commits"] += 1
 
     def abort(self, entry: ChunkEntry) -> None:
-        assert entry.state is ChunkState.PENDING and self.index.get(entry.ikey) is entry
-        del self.index[entry.ikey]
+        assert entry.state is ChunkState.PENDING and self.index.holds(entry)
+        self.index.discard(entry)
         self._free(entry)
         self.pending_chunks -= 1
         self.pending_pages -= entry.pages
@@ -239,9 +253,12 @@ class CpuTier(TierIndex):
         assert entry.ref_count > 0, "release without acquire"
         entry.ref_count -= 1
         self.held_pages -= entry.pages
-        if entry.doomed and entry.ref_count == 0:
-            self._doomed.discard(entry)
-            self._free(entry)
+        if entry.ref_count == 0:
+            if entry.doomed:
+                self._doomed.discard(entry)
+                self._free(entry)
+            else:
+                self.index.loosen(entry)
 
     def pin(self, entry: ChunkEntry) -> None:
         entry.pin_count += 1
@@ -249,24 +266,27 @@ class CpuTier(TierIndex):
     def unpin(self, entry: ChunkEntry) -> None:
         assert entry.pin_count > 0, "unpin without pin"
         entry.pin_count -= 1
+        if not entry.pin_count:
+            self.index.loosen(entry)
 
     # -- removal ---------------------------------------------------------------------------------
     def delete(self, ikey: Hashable) -> Status:
-        entry = self.index.get(ikey)
-        if entry is None:
+        slot = self.index.slot(ikey)
+        if slot < 0:
             return Status.MISS
+        entry = self.index.entry(slot)
         if entry.state is ChunkState.PENDING:
             return Status.BUSY
         self._remove(entry)
         self.counters["deletes"] += 1
         return Status.OK
 
-    def _remove(self, entry: ChunkEntry) -> None:
-        if self.db is not None:  # the row goes before its pages can be reused
+    def _remove(self, entry: ChunkEntry, row_deleted: bool = False) -> None:
+        if self.db is not None and not row_deleted:  # the row goes before its pages are reused
             self.db.delete([entry.ikey])
-        del self.index[entry.ikey]
         self.on_remove(entry)  # kv-events hook
-        self.policy.remove(entry.ikey)
+        self.policy.remove(entry.slot)
+        self.index.discard(entry)
         self.ready_chunks -= 1
         self.ready_pages -= entry.pages
         if entry.ref_count:
@@ -283,16 +303,22 @@ class CpuTier(TierIndex):
         With ``all_or_nothing`` (a PUT making room) nothing is evicted unless enough can be: a PUT
         that fails anyway must not empty the cache on its way.
         """
-        victims, freed = self.pick_victims(pages_needed, tenant)
+        slots, freed = self.victim_slots(pages_needed, tenant)
         if all_or_nothing and freed < pages_needed:
             return 0
-        for entry in victims:
+        gone = []
+        for slot in slots:
+            entry = self.index.entry(slot)
             if self.demoter is not None and self.demoter(entry):
                 # No longer a candidate: later scans must not walk past it again.
-                self.policy.remove(entry.ikey)
+                self.policy.remove(slot)
                 self.counters["demotions_started"] += 1
                 continue
-            self._remove(entry)
+            gone.append(entry)
+        if gone and self.db is not None:  # one transaction for the rows of every victim
+            self.db.delete([entry.ikey for entry in gone])
+        for entry in gone:
+            self._remove(entry, row_deleted=True)
             self.counters["evictions"] += 1
             if self.on_evict is not None:
                 self.on_evict(entry)
@@ -300,7 +326,7 @@ class CpuTier(TierIndex):
 
     def finish_demotion(self, entry: ChunkEntry) -> None:
         """The chunk's NVMe copy is durable (or failed): it leaves the arena now."""
-        if self.index.get(entry.ikey) is entry:
+        if self.index.holds(entry):
             self._remove(entry)
             self.counters["evictions"] += 1
 
@@ -337,13 +363,27 @@ class CpuTier(TierIndex):
         }
 
     def check_invariants(self) -> None:
+        """O(chunks): compact chunks are checked through read-only snapshots."""
         self.allocator.check_invariants()
+        self.index.check_invariants()
         owned: list[tuple[int, int]] = []
+        ready_chunks = ready_pages = pending_chunks = pending_pages = candidates = 0
         for ikey, entry in self.index.items():
             assert entry.ikey == ikey and not entry.doomed, f"index entry {ikey!r} is inconsistent"
             assert entry.pages == self.pages_for(entry.nbytes), f"{ikey!r} has wrong page count"
             assert entry.ref_count >= 0 and entry.pin_count >= 0
             owned.extend(entry.runs)
+            candidate = entry.state is ChunkState.READY and not entry.demoting
+            assert (entry.slot in self.policy) == candidate, (
+                f"{ikey!r}: eviction policy membership {entry.slot in self.policy}, "
+                f"candidate {candidate}")
+            candidates += candidate
+            if entry.state is ChunkState.READY:
+                ready_chunks += 1
+                ready_pages += entry.pages
+            else:
+                pending_chunks += 1
+                pending_pages += entry.pages
         for entry in self._doomed:
             assert entry.doomed and entry.ref_count > 0, "doomed entry without readers"
             owned.extend(entry.runs)
@@ -354,22 +394,18 @@ class CpuTier(TierIndex):
             assert start == end, f"pages {end}..{start} lost or owned twice"
             end = start + count
         assert end == self.num_pages, f"pages {end}..{self.num_pages} are owned by nobody"
-        ready = {k for k, e in self.index.items() if e.state is ChunkState.READY}
-        candidates = {k for k in ready if not self.index[k].demoting}
-        pending = [e for e in self.index.values() if e.state is ChunkState.PENDING]
-        assert self.ready_chunks == len(ready), "ready chunk count drifted"
-        assert self.ready_pages == sum(self.index[k].pages for k in ready), "ready pages drifted"
-        assert self.pending_chunks == len(pending), "pending chunk count drifted"
-        assert self.pending_pages == sum(e.pages for e in pending), "pending pages drifted"
-        assert len(self.policy) == len(candidates), "eviction policy and READY chunks disagree"
+        assert self.ready_chunks == ready_chunks, "ready chunk count drifted"
+        assert self.ready_pages == ready_pages, "ready pages drifted"
+        assert self.pending_chunks == pending_chunks, "pending chunk count drifted"
+        assert self.pending_pages == pending_pages, "pending pages drifted"
+        assert len(self.policy) == candidates, "eviction policy and READY chunks disagree"
         self._check_tenants()
-        assert all(k in candidates for k in self.policy.victims()), "policy tracks a non-candidate"
         self.policy.check_invariants()
 
     def _check_tenants(self) -> None:
         pages: Counter[str] = Counter()
         demoting: Counter[str] = Counter()
-        for entry in [*self.index.values(), *self._doomed]:
+        for entry in itertools.chain(self.index.values(), self._doomed):  # one snapshot at a time
             pages[tenant_of(entry.ikey)] += entry.pages
             if entry.demoting:
                 demoting[tenant_of(entry.ikey)] += entry.pages

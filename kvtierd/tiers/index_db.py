@@ -64,12 +64,19 @@ class IndexRow:
         return cls(tenant, namespace, rank, key, fingerprint, nbytes, checksum, runs)
 
 
+_RUN = struct.Struct("<QQ")
+
+
 def pack_runs(runs: list[Run]) -> bytes:
-    return b"".join(struct.pack("<QQ", start, count) for start, count in runs)
+    if len(runs) == 1:
+        return _RUN.pack(*runs[0])
+    return b"".join(_RUN.pack(start, count) for start, count in runs)
 
 
 def unpack_runs(blob: bytes) -> list[Run]:
-    return [struct.unpack_from("<QQ", blob, i) for i in range(0, len(blob), 16)]
+    if len(blob) == _RUN.size:  # the common case, on the recovery path for every row
+        return [_RUN.unpack(blob)]
+    return list(_RUN.iter_unpack(blob))  # struct.error unless whole (start, count) pairs
 
 
 class ChunkIndexDB:
@@ -138,6 +145,24 @@ class ChunkIndexDB:
             for tenant, ns, rank, key, fp, nbytes, checksum, runs in fetched:
                 yield IndexRow(tenant, ns, rank, bytes(key), fp, nbytes, bytes(checksum),
                                unpack_runs(runs))
+
+    def row_batches(self, batch: int = 4096) -> Iterator[list[tuple]]:
+        """Rows as SQLite returns them, ``(tenant, namespace, rank, key, fingerprint, nbytes,
+        checksum, runs blob)``, ``batch`` at a time: recovery indexes them without an object per
+        row."""
+        cur = self._db.execute(
+            "SELECT tenant, namespace, rank, key, fingerprint, nbytes, checksum, runs FROM chunks"
+        )
+        while True:
+            fetched = cur.fetchmany(batch)
+            if not fetched:
+                return
+            yield fetched
+
+    def clear(self) -> None:
+        """Delete every row in one transaction."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM chunks")
 
     def insert(self, rows: Iterable[IndexRow]) -> None:
         """Insert (or replace) rows in one durable transaction: all of them or none."""

@@ -28,7 +28,9 @@ from kvtierd.tiers.allocator import PageAllocator, Run
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.base import TierIndex
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
+from kvtierd.tiers.compact_index import ChunkIndex
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
+from kvtierd.tiers.recovery import load_rows
 from kvtierd.tiers.nvme_file import (
     DataFile,
     FaultInjector,
@@ -100,8 +102,9 @@ class NvmeTier(TierIndex):
         )
         if self.db.reset_reason:
             log.warning("NVMe index reset, its chunks are dropped (%s)", self.db.reset_reason)
+        self.policy_name = policy
         self.policy = make_policy(policy)
-        self.index: dict[Hashable, ChunkEntry] = {}
+        self.index = ChunkIndex(page_bytes)
         self.counters: Counter[str] = Counter()
         self.pending_free_pages = 0
         self._doomed: set[ChunkEntry] = set()
@@ -112,42 +115,32 @@ class NvmeTier(TierIndex):
 
     # -- start-up ----------------------------------------------------------------------------------
     def _recover(self, status: Callable[[str], None]) -> None:
+        """Index every row straight into the compact index (no object per chunk)."""
         started = time.monotonic()
         total = self.db.count()
-        used: list[Run] = []
-        bad: list = []
-        for n, row in enumerate(self.db.rows(), 1):
-            pages = sum(c for _, c in row.runs)
-            if pages != max(1, -(-row.nbytes // self.page_bytes)) or any(
-                c <= 0 or s < 0 or s + c > self.num_pages for s, c in row.runs
-            ):
-                bad.append(row.ikey)
-                continue
-            entry = ChunkEntry(ikey=row.ikey, fingerprint=row.fingerprint, nbytes=row.nbytes,
-                               runs=row.runs, owner=0, state=ChunkState.READY,
-                               checksum=row.checksum)
-            self.index[row.ikey] = entry
-            self.policy.insert(row.ikey)
-            self.ready_chunks += 1
-            self.ready_pages += entry.pages
-            used.extend(row.runs)
-            if n % RECOVERY_LOG_EVERY == 0:
-                msg = f"recovering NVMe index: {n}/{total} chunks"
-                log.info("%s", msg)
-                status(msg)
-        try:
-            self.allocator = PageAllocator.from_used(self.num_pages, used)
-        except ValueError as exc:  # overlapping rows: the index cannot be trusted
-            log.error("NVMe index names overlapping pages (%s); dropping all %d chunks", exc,
-                      len(self.index))
-            bad.extend(self.index)
-            self.index.clear()
-            self.ready_chunks = self.ready_pages = 0
-            self.policy = make_policy("lru")
+
+        def progress(n: int) -> None:
+            msg = f"recovering NVMe index: {n}/{total} chunks"
+            log.info("%s", msg)
+            status(msg)
+
+        loaded = load_rows(self.db, self.index, self.policy, self.part_of, self.num_pages,
+                           verified=True, progress=progress)
+        if loaded.allocator is None:  # overlapping rows: the index cannot be trusted
+            log.error("NVMe index names overlapping pages (%s); dropping all %d chunks",
+                      loaded.overlap, total)
+            self.db.clear()
+            self.index = ChunkIndex(self.page_bytes)
+            self.policy = make_policy(self.policy_name)
             self.allocator = PageAllocator(self.num_pages)
-        if bad:
-            self.db.delete(bad)
-            log.warning("dropped %d NVMe index rows that named impossible pages", len(bad))
+        else:
+            self.allocator = loaded.allocator
+            self.ready_chunks = len(self.index)
+            self.ready_pages = loaded.pages
+            if loaded.bad:
+                self.db.delete(loaded.bad)
+                log.warning("dropped %d NVMe index rows that named impossible pages",
+                            len(loaded.bad))
         log.info("NVMe tier %s: %d chunks recovered in %.2f s (O_DIRECT=%s)", self.directory,
                  len(self.index), time.monotonic() - started, self.direct_io)
 
@@ -176,7 +169,7 @@ class NvmeTier(TierIndex):
                 return None
         entry = ChunkEntry(ikey=ikey, fingerprint=fingerprint, nbytes=nbytes, runs=runs, owner=0,
                            checksum=checksum)
-        self.index[ikey] = entry
+        self.index.add(entry)
         return entry
 
     def _reclaim(self, pages: int) -> None:
@@ -212,14 +205,15 @@ class NvmeTier(TierIndex):
 
     def commit(self, entry: ChunkEntry) -> None:
         entry.state = ChunkState.READY
-        self.policy.insert(entry.ikey)
+        self.policy.insert(entry.slot, self.part_of(entry.slot))
+        self.index.loosen(entry)
         self.ready_chunks += 1
         self.ready_pages += entry.pages
         self.counters["writes"] += 1
 
     def abort(self, entry: ChunkEntry) -> None:
-        if self.index.get(entry.ikey) is entry:
-            del self.index[entry.ikey]
+        if self.index.holds(entry):
+            self.index.discard(entry)
         self.allocator.free(entry.runs)
         self.counters["write_failures"] += 1
 
@@ -244,17 +238,30 @@ class NvmeTier(TierIndex):
 
     def release(self, entry: ChunkEntry) -> None:
         entry.ref_count -= 1
-        if entry.doomed and entry.ref_count == 0:
-            self._doomed.discard(entry)
-            self._schedule_free(entry)
+        if entry.ref_count == 0:
+            if entry.doomed:
+                self._doomed.discard(entry)
+                self._schedule_free(entry)
+            else:
+                self.index.loosen(entry)
+
+    def pin(self, entry: ChunkEntry) -> None:
+        """A LOOKUP lease on an NVMe chunk: not evicted until unpinned."""
+        entry.pin_count += 1
+
+    def unpin(self, entry: ChunkEntry) -> None:
+        assert entry.pin_count > 0, "unpin without pin"
+        entry.pin_count -= 1
+        if not entry.pin_count:
+            self.index.loosen(entry)
 
     # -- removal -----------------------------------------------------------------------------------
     def drop(self, entry: ChunkEntry) -> None:
         """Remove a READY chunk from the index now; its pages come back via ``delete_job``."""
-        del self.index[entry.ikey]
+        self.policy.remove(entry.slot)
+        self.index.discard(entry)
         self.ready_chunks -= 1
         self.ready_pages -= entry.pages
-        self.policy.remove(entry.ikey)
         self.on_drop(entry)
         if entry.ref_count:
             entry.doomed = True
@@ -291,9 +298,10 @@ class NvmeTier(TierIndex):
         return freed
 
     def delete(self, ikey: Hashable) -> Status:
-        entry = self.index.get(ikey)
-        if entry is None:
+        slot = self.index.slot(ikey)
+        if slot < 0:
             return Status.MISS
+        entry = self.index.entry(slot)
         if entry.state is not ChunkState.READY:
             return Status.BUSY
         self.drop(entry)
@@ -313,6 +321,8 @@ class NvmeTier(TierIndex):
 
     def check_invariants(self) -> None:
         self.allocator.check_invariants()
+        self.index.check_invariants()
+        self.policy.check_invariants()
         owned = [r for e in self.index.values() for r in e.runs]
         owned += [r for e in self._doomed for r in e.runs]
         owned += [r for e in self._to_free for r in e.runs if not e.doomed]
@@ -323,10 +333,15 @@ class NvmeTier(TierIndex):
             assert start >= end, f"NVMe pages {start}.. owned twice"
             end = start + count
         assert end <= self.num_pages
-        ready = {k for k, e in self.index.items() if e.state is ChunkState.READY}
-        assert len(self.policy) == len(ready), "NVMe policy and READY chunks disagree"
-        assert self.ready_chunks == len(ready), "NVMe ready chunk count drifted"
-        assert self.ready_pages == sum(self.index[k].pages for k in ready), "NVMe pages drifted"
+        ready_chunks = ready_pages = 0
+        for ikey, entry in self.index.items():
+            ready = entry.state is ChunkState.READY
+            assert (entry.slot in self.policy) == ready, f"NVMe policy and {ikey!r} disagree"
+            ready_chunks += ready
+            ready_pages += entry.pages if ready else 0
+        assert len(self.policy) == ready_chunks, "NVMe policy and READY chunks disagree"
+        assert self.ready_chunks == ready_chunks, "NVMe ready chunk count drifted"
+        assert self.ready_pages == ready_pages, "NVMe pages drifted"
 
     def close(self) -> None:
         self.io.close()

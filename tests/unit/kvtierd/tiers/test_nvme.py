@@ -1,24 +1,21 @@
 """NvmeTier on a real directory (data file + SQLite index) and a real shared-memory Arena: the write
-and read jobs, integrity checks, deferred page freeing, recovery, the directory lock, faults."""
+and read jobs, integrity checks, deferred page freeing, eviction, the directory lock, faults.
+Recovery at start is in test_nvme_recovery.py."""
 
 from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
-import sqlite3
-import uuid
 
 import pytest
 import xxhash
 
+from helpers.nvme_tier import NVME_PAGES, PAGE, disk_rows, fill, flip, ikey, put, read
+
 from kvtierd.protocol import Status
-from kvtierd.tiers.allocator import PageAllocator
-from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.chunk import ChunkState, segments
-from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow, unpack_runs
-from kvtierd.tiers.nvme import INDEX_NAME, IntegrityError, NvmeTier
+from kvtierd.tiers.nvme import IntegrityError, NvmeTier
 from kvtierd.tiers.nvme_file import (
     DATA_NAME,
     DirectoryInUse,
@@ -26,120 +23,6 @@ from kvtierd.tiers.nvme_file import (
     lock_directory,
     probe_direct_io,
 )
-
-PAGE = 4096
-NVME_PAGES = 32
-ARENA_PAGES = 64
-SPACE = ("uid:1000", "ns", 0)  # (tenant, namespace, rank)
-POISON = 0xAB
-
-
-@pytest.fixture
-def arena(request):
-    arena = Arena(name=f"kvtierd-test-nvme-{uuid.uuid4().hex}", nbytes=ARENA_PAGES * PAGE,
-                  prefault=False, lock=False)
-    request.addfinalizer(lambda: arena.close(unlink=True))
-    return arena
-
-
-@pytest.fixture
-def arena_pages():
-    return PageAllocator(ARENA_PAGES)
-
-
-@pytest.fixture
-def nvme_dir(tmp_path):
-    return tmp_path / "nvme"
-
-
-class Tiers:
-    """Opens tiers on one directory and closes whatever is still open at the end."""
-
-    def __init__(self, directory):
-        self.directory = directory
-        self.open: list[NvmeTier] = []
-
-    def __call__(self, pages: int = NVME_PAGES, **kwargs) -> NvmeTier:
-        tier = NvmeTier(self.directory, pages * PAGE, PAGE, **kwargs)
-        self.open.append(tier)
-        return tier
-
-    def close(self, tier: NvmeTier) -> None:
-        tier.check_invariants()
-        tier.close()
-        self.open.remove(tier)
-
-
-@pytest.fixture
-def tiers(nvme_dir):
-    t = Tiers(nvme_dir)
-    yield t
-    for tier in list(t.open):
-        t.close(tier)
-
-
-def ikey(key: bytes):
-    return (SPACE, key)
-
-
-def fill(arena: Arena, runs, data: bytes) -> None:
-    pos = 0
-    for offset, length in segments(runs, len(data), PAGE):
-        arena.view[offset:offset + length] = data[pos:pos + length]
-        pos += length
-
-
-def read_arena(arena: Arena, runs, nbytes: int) -> bytes:
-    return b"".join(bytes(arena.view[o:o + n]) for o, n in segments(runs, nbytes, PAGE))
-
-
-def poison(arena: Arena, runs) -> None:
-    for start, count in runs:
-        arena.view[start * PAGE:(start + count) * PAGE] = bytes([POISON]) * (count * PAGE)
-
-
-def put(tier: NvmeTier, arena: Arena, arena_pages: PageAllocator, key: bytes, nbytes: int):
-    """Reserve, write (data, fdatasync, row) and commit one chunk; returns (entry, payload)."""
-    data = os.urandom(nbytes)
-    src = arena_pages.allocate(tier.pages_for(nbytes))
-    fill(arena, src, data)
-    entry = tier.reserve(ikey(key), "fp", nbytes, xxhash.xxh3_128_digest(data))
-    assert entry is not None
-    assert tier.write_job([(entry, src)], arena)() == entry.pages * PAGE
-    tier.commit(entry)
-    arena_pages.free(src)
-    tier.check_invariants()
-    return entry, data
-
-
-def read(tier: NvmeTier, arena: Arena, arena_pages: PageAllocator, entry) -> bytes:
-    dst = arena_pages.allocate(entry.pages)
-    try:
-        poison(arena, dst)
-        assert tier.read_job(entry, arena, dst, segments(dst, entry.nbytes, PAGE))() == \
-            entry.nbytes
-        return read_arena(arena, dst, entry.nbytes)
-    finally:
-        arena_pages.free(dst)
-
-
-def disk_rows(directory) -> dict:
-    db = sqlite3.connect(f"file:{directory / INDEX_NAME}?mode=ro", uri=True)
-    try:
-        return {bytes(k): unpack_runs(r) for k, r in db.execute("SELECT key, runs FROM chunks")}
-    finally:
-        db.close()
-
-
-def flip(directory, page: int, offset: int = 0) -> None:
-    fd = os.open(directory / DATA_NAME, os.O_RDWR)
-    try:
-        pos = page * PAGE + offset
-        os.pwrite(fd, bytes([os.pread(fd, 1, pos)[0] ^ 0x01]), pos)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 # -- writes and reads ------------------------------------------------------------------------------
 
@@ -323,114 +206,6 @@ def test_reserve_on_a_full_tier_evicts_and_succeeds(tiers, arena, arena_pages):
     tier.check_invariants()
     assert entry is not None, f"reserve on a full tier failed: {dict(tier.counters)}"
     assert tier.lookup(ikey(b"0"), "fp")[0] is Status.MISS  # the LRU chunk made room
-
-
-# -- recovery --------------------------------------------------------------------------------------
-
-def test_recovery_rebuilds_the_index_and_frees_unnamed_pages(tiers, arena, arena_pages, nvme_dir):
-    tier = tiers()
-    kept = {}
-    for i, nbytes in enumerate([PAGE, 3 * PAGE + 1, 2 * PAGE - 9]):
-        entry, data = put(tier, arena, arena_pages, b"k%d" % i, nbytes)
-        kept[entry.ikey] = (entry.runs, data)
-    gone, _ = put(tier, arena, arena_pages, b"gone", 2 * PAGE)
-    tier.drop(gone)
-    batch = tier.take_deletions()
-    tier.delete_job(batch)()
-    tier.deleted(batch)
-    # a write cut off before its row: data on the pages (even durable), no row
-    orphan = tier.reserve(ikey(b"orphan"), "fp", 4 * PAGE, b"o" * 16)
-    src = arena_pages.allocate(4)
-    assert len(src) == 1
-    fill(arena, src, os.urandom(4 * PAGE))
-    base = src[0][0] * PAGE
-    for start, count in orphan.runs:
-        tier.file.write(start, [arena.view[base:base + count * PAGE]])
-    tier.file.sync()
-    arena_pages.free(src)
-    named = sum(e.pages for e in tier.index.values() if e.state is ChunkState.READY)
-    tiers.close(tier)
-
-    tier = tiers()
-    tier.check_invariants()
-    assert set(tier.index) == set(kept)
-    assert all(e.state is ChunkState.READY for e in tier.index.values())
-    assert tier.allocator.free_pages == NVME_PAGES - named  # the orphan's pages are free again
-    assert tier.used_bytes == tier.stats()["committed_bytes"] == named * PAGE
-    used = [r for runs, _ in kept.values() for r in runs]
-    assert tier.allocator.free_runs() == PageAllocator.from_used(NVME_PAGES, used).free_runs()
-    for key, (runs, data) in kept.items():
-        status, entry = tier.lookup(key, "fp")
-        assert status is Status.OK and entry.runs == runs
-        assert read(tier, arena, arena_pages, entry) == data
-    assert tier.lookup(ikey(b"gone"), "fp")[0] is Status.MISS
-    assert tier.lookup(ikey(b"orphan"), "fp")[0] is Status.MISS
-    # and the recovered tier goes on working: new chunks fill the free pages
-    entry, data = put(tier, arena, arena_pages, b"after", 6 * PAGE)
-    assert read(tier, arena, arena_pages, entry) == data
-
-
-def write_rows(directory, rows: list[IndexRow], pages: int = NVME_PAGES) -> None:
-    db = ChunkIndexDB(directory / INDEX_NAME,
-                      {"page_bytes": str(PAGE), "nvme_bytes": str(pages * PAGE)})
-    db.insert(rows)
-    db.close()
-
-
-def test_recovery_drops_rows_that_name_impossible_pages(tiers, arena, arena_pages, nvme_dir,
-                                                        caplog):
-    tier = tiers()
-    good, data = put(tier, arena, arena_pages, b"good", 2 * PAGE)
-    tiers.close(tier)
-    write_rows(nvme_dir, [
-        IndexRow("uid:1000", "ns", 0, b"past-the-end", "fp", PAGE, b"s" * 16, [(NVME_PAGES - 1, 2)]),
-        IndexRow("uid:1000", "ns", 0, b"too-few-pages", "fp", 3 * PAGE, b"s" * 16, [(10, 2)]),
-        IndexRow("uid:1000", "ns", 0, b"too-many-pages", "fp", PAGE, b"s" * 16, [(20, 2)]),
-    ])
-    with caplog.at_level(logging.WARNING, logger="kvtierd.tiers.nvme"):
-        tier = tiers()
-    tier.check_invariants()
-    assert set(tier.index) == {good.ikey}
-    assert "impossible pages" in caplog.text
-    assert set(disk_rows(nvme_dir)) == {b"good"}  # the bad rows are deleted, not kept around
-    assert tier.used_bytes == 2 * PAGE
-    assert read(tier, arena, arena_pages, tier.index[good.ikey]) == data
-
-
-def test_recovery_drops_everything_when_rows_overlap(tiers, arena, arena_pages, nvme_dir, caplog):
-    tier = tiers()
-    put(tier, arena, arena_pages, b"a", 2 * PAGE)
-    tiers.close(tier)
-    write_rows(nvme_dir, [IndexRow("uid:1000", "ns", 0, b"b", "fp", 2 * PAGE, b"s" * 16, [(1, 2)])])
-    with caplog.at_level(logging.ERROR, logger="kvtierd.tiers.nvme"):
-        tier = tiers()
-    tier.check_invariants()
-    assert tier.index == {} and tier.used_bytes == 0
-    assert "overlapping" in caplog.text
-    assert disk_rows(nvme_dir) == {}
-
-
-def test_recovery_drops_only_the_row_with_an_empty_run(tiers, arena, arena_pages, nvme_dir):
-    tier = tiers()
-    good, _ = put(tier, arena, arena_pages, b"good", 2 * PAGE)
-    tiers.close(tier)
-    write_rows(nvme_dir, [IndexRow("uid:1000", "ns", 0, b"empty-run", "fp", PAGE, b"s" * 16,
-                                   [(20, 0), (21, 1)])])
-    tier = tiers()
-    tier.check_invariants()
-    assert set(tier.index) == {good.ikey}
-
-
-def test_changed_capacity_resets_the_index(tiers, arena, arena_pages, nvme_dir, caplog):
-    tier = tiers()
-    put(tier, arena, arena_pages, b"a", PAGE)
-    tiers.close(tier)
-    with caplog.at_level(logging.WARNING, logger="kvtierd.tiers.nvme"):
-        tier = tiers(pages=NVME_PAGES * 2)
-    assert tier.db.reset_reason and "nvme_bytes" in tier.db.reset_reason
-    assert tier.index == {} and tier.used_bytes == 0
-    assert (nvme_dir / DATA_NAME).stat().st_size == 2 * NVME_PAGES * PAGE
-    assert "index reset" in caplog.text
 
 
 # -- the directory lock ----------------------------------------------------------------------------

@@ -1,0 +1,37 @@
+"""Smoke test of benchmarks/index_scale.py --quick: real daemons, tiny sizes; checks the shape of
+its JSON and that every row was measured (never its timings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def test_index_scale_quick_runs_and_reports_every_row(tmp_path):
+    out = tmp_path / "index_scale.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/index_scale.py"), "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=220, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["quick"] is True
+    for part in ("put_path", "warm_arena", "nvme"):
+        assert result[part]["chunks"] > 0 and result[part]["bytes_per_chunk"] > 0, result[part]
+    for part in ("warm_arena", "nvme"):
+        assert result[part]["restart_s"] > 0 and result[part]["empty_restart_s"] > 0
+        assert result[part]["restart_cpu_s"] > 0 and result[part]["empty_restart_cpu_s"] > 0
+    assert set(result["warm_arena"]["lookup"]) == {"1", "64", "1024"}
+    for rates in result["warm_arena"]["lookup"].values():
+        assert rates["keys_per_s"] > 0 and rates["ping_keys_per_s"] > 0
+    for row in ("memory per chunk, warm arena", "restart to serving, NVMe",
+                "LOOKUP keys/s, 1024-key batches"):
+        assert row in done.stdout
+    assert not list(Path("/dev/shm").glob("kvtierd-bench-*")), "the benchmark left its arenas"
