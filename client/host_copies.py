@@ -55,6 +55,12 @@ def warm_up() -> None:
     _copy_runs()
 
 
+def copy_runs(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
+    """``memmove(dst[i], src[i], nbytes[i])`` for every i, in one call without the GIL.
+    Raw addresses: the caller vouches that every range is valid (``plan_runs`` checks its own)."""
+    _copy_runs()(dst, src, nbytes)
+
+
 class GroupGeometry:
     """One group's layers as arrays: base address of block 0, block stride, page bytes, and each
     layer's byte offset inside a unit of one block (multiply by the unit's block count)."""
@@ -126,10 +132,10 @@ def _check_staging(offsets: np.ndarray, unit_bytes: int, staging_bytes: int) -> 
 def gather(geo: list[GroupGeometry], units: Sequence[CopyUnit], staging: torch.Tensor) -> None:
     """Copy every unit's pages from the KV cache into its staging range."""
     kv, st, n = plan_runs(geo, units, staging)
-    _copy_runs()(st, kv, n)
+    copy_runs(st, kv, n)
 
 
 def scatter(geo: list[GroupGeometry], units: Sequence[CopyUnit], staging: torch.Tensor) -> None:
     """Copy every unit's staging range back into its blocks of the KV cache."""
     kv, st, n = plan_runs(geo, units, staging)
-    _copy_runs()(kv, st, n)
+    copy_runs(kv, st, n)

@@ -31,13 +31,13 @@ from .planner import Chunk
 from .staging import align
 from .transport import DaemonError, DaemonUnavailable
 
-#: Target piece size. Each piece is one request (~0.1-0.3 ms of round trip and daemon work here),
-#: so pieces are large enough for that to be small against the copy, small enough that a 32 MiB
-#: store has several to overlap.
-PIECE_BYTES = 4 * 1024**2
+#: Target piece size. Each piece is one request: ~0.1 ms of round trip and daemon work on an idle
+#: machine, but a send can wait several ms for a CPU on a loaded one (measured here, 2 cores at
+#: load 5-7), so pieces are large enough for that to stay small, yet a 32 MiB store has four.
+PIECE_BYTES = 8 * 1024**2
 #: A call is cut into at least this many pieces when its chunks allow it, down to MIN_PIECE_BYTES.
-MIN_PIECES = 4
-MIN_PIECE_BYTES = 512 * 1024
+MIN_PIECES = 2
+MIN_PIECE_BYTES = 1024**2
 #: Requests in flight per call: one being copied by the daemon, one being gathered or scattered.
 DEPTH = 2
 
