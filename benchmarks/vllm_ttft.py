@@ -153,11 +153,32 @@ def child(spec: dict) -> dict:
         for prompt in prompts:  # warm: compute (and, with a connector, store) every prefix once
             llm.generate([TokensPrompt(prompt_token_ids=prompt)], one, use_tqdm=False)
         if spec.get("settle"):
-            time.sleep(spec["settle"])  # stores are submitted a step late
+            settle(spec["settle"])  # stores are submitted a step late
+        time.sleep(spec.get("pause", 0))  # native offloading: no daemon to ask
         ttft, cached = zip(*(first_token(p) for p in prompts))
         out[name] = {"ttft_s": list(ttft), "cached_tokens": list(cached),
                      "prompt_tokens": [len(p) for p in prompts]}
     return {"workloads": out, "init_s": init_s, "block_size": block}
+
+
+def settle(address: str, timeout_s: float = 60.0) -> None:
+    """Wait until the daemon's chunk count stops moving and nothing is pending, so the timed
+    pass finds every store done however slow the machine is."""
+    from kvtierd.control import call
+    from kvtierd.protocol import Op
+
+    def chunks() -> tuple[int, int]:
+        cpu = call(address, Op.STATS)["stats"]["tiers"]["cpu"]
+        return cpu["chunks"], cpu["pending_chunks"]
+
+    deadline = time.monotonic() + timeout_s
+    last = chunks()
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = chunks()
+        if now == last and now[1] == 0:
+            return
+        last = now
 
 
 def run_child(spec: dict, workdir: Path, name: str) -> dict:
@@ -270,10 +291,10 @@ def main() -> int:
                                                     "blocks_per_chunk": args.blocks_per_chunk}}
             results = {
                 "vllm": run_child(base, work, "vllm"),
-                "kvtierd": run_child({**base, "kv_transfer_config": kvtier, "settle": 2.0}, work,
-                                     "kvtierd"),
-                "vllm-native-cpu": run_child({**base, "kv_transfer_config": native,
-                                              "settle": 2.0}, work, "native"),
+                "kvtierd": run_child({**base, "kv_transfer_config": kvtier, "settle": address},
+                                     work, "kvtierd"),
+                "vllm-native-cpu": run_child({**base, "kv_transfer_config": native, "pause": 2.0},
+                                             work, "native"),
             }
         finally:
             proc.terminate()

@@ -77,8 +77,9 @@ def geometries(tables: list[list[LayerPages]]) -> list[GroupGeometry]:
     return [GroupGeometry(layers) for layers in tables]
 
 
-def plan_runs(geo: list[GroupGeometry], units: Sequence[CopyUnit], staging: torch.Tensor) -> Runs:
-    """Merged runs ``(kv addresses, staging addresses, lengths)`` for ``units``, in payload order."""
+def plan_runs(geo: list[GroupGeometry], units: Sequence[CopyUnit],
+              staging: torch.Tensor) -> Runs:
+    """Merged runs ``(kv addresses, staging addresses, lengths)`` of ``units`` in payload order."""
     base = staging.data_ptr()
     kv_parts, st_parts, len_parts = [], [], []
     for g in sorted({u.group for u in units}):

@@ -2,9 +2,10 @@
 
 Replies are matched by request id; anything else (the daemon's ``id: 0`` liveness probes, replies
 to requests that already timed out) is skipped. Several requests may be in flight (``send`` them,
-then ``receive`` each by id): the daemon answers a batch when its copies finish, so replies can come
-out of order, and one that arrives before it is asked for is kept until it is. A timeout leaves the socket in an unknown state (the
-daemon may still act on the request later), so the caller must ``reset`` and start a new session.
+then ``receive`` each by id): the daemon answers a batch when its copies finish, so replies can
+come out of order, and one that arrives before it is asked for is kept until it is. A timeout
+leaves the socket in an unknown state (the daemon may still act on the request later), so the
+caller must ``reset`` and start a new session.
 """
 
 from __future__ import annotations
