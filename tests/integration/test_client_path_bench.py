@@ -28,4 +28,4 @@ def test_quick_run_prints_the_table_and_writes_every_figure(tmp_path):
             assert case[key] > 0, key
         lo, hi = case["store_ratio_range"]
         assert lo <= case["store_ratio"] <= hi
-        assert set(case["rounds"][0]) == {"store", "load", "gather", "copy"}
+        assert set(case["rounds"][0]) == {"store", "load", "gather", "copy", "gather_py"}
