@@ -11,8 +11,9 @@ MLP 2816, vocabulary 32000, bf16; built locally, no download) over two prefix-re
 * ``chat``: a multi-turn conversation (96-token user turns, 64-token answers), each turn's prompt
   the whole history so far, starting from a context of half a document.
 
-Each configuration runs in its own child process (vLLM keeps global state) and first serves every
-prompt once (``warm``: with kvtierd this stores the chunks). Then, per prompt, vLLM's own prefix
+Each configuration runs in its own child process (vLLM keeps global state); those with an
+offloading connector first serve every prompt once (``warm``: with kvtierd this stores the
+chunks), plain vLLM only a short warm-up request. Then, per prompt, vLLM's own prefix
 cache is reset — the prefix left the engine, as when its KV memory was needed for other requests,
 or when another instance on the node gets the request — and a 1-token generation is timed: its
 wall time is the request's time to first token. ``saved`` is the share of prompt tokens vLLM
@@ -24,7 +25,7 @@ through a real daemon), ``vllm-native-cpu`` (vLLM's own CPU offloading; its row 
 the CPU build refuses it).
 
 Bounded: unless ``--doc-tokens`` is given, a calibration child first measures this machine's
-prefill speed (tokens/s on a 512-token prompt) and engine start time, and the document length is
+prefill speed (tokens/s on a 256-token prompt) and engine start time, and the document length is
 the largest multiple of 128 whose estimated run fits ``--budget-s`` (printed with the estimate).
 Nothing asserts; a table is printed and written as JSON to ``--json`` (default
 ``benchmarks/results/vllm_ttft.json``).
@@ -46,7 +47,7 @@ from pathlib import Path
 
 VOCAB = 32000
 QUESTION, USER_TURN, ANSWER = 48, 96, 64
-CALIBRATION_TOKENS = 512
+CALIBRATION_TOKENS = 256
 DEFAULT_JSON = Path(__file__).parent / "results" / "vllm_ttft.json"
 
 
@@ -104,16 +105,16 @@ def estimate_s(doc_tokens: int, args: argparse.Namespace, tokens_per_s: float,
                init_s: float) -> float:
     """Seconds the three configurations should take: engine starts plus every prefill token.
 
-    vllm: the warm pass computes each shared prefix once (its own prefix cache), the timed pass
-    computes every prompt whole. kvtierd: the same warm pass, then about one block per prompt.
-    vllm-native-cpu: one engine start (it may be refused right after)."""
+    vllm: no warm pass (nothing to store; the prefix cache is reset before each timed prompt),
+    the timed pass computes every prompt whole. kvtierd: the warm pass computes each shared prefix
+    once, the timed pass about one block per prompt. vllm-native-cpu: as kvtierd."""
     loads = workloads(doc_tokens, args.docs, args.questions, args.turns)
     prompts = [p for ps in loads.values() for p in ps]
     every = sum(len(p) for p in prompts)
     unique = (args.docs * (doc_tokens + args.questions * QUESTION)
               + len(loads["chat"][-1]))
     tail = 128 * len(prompts)
-    return 3 * init_s + (2 * unique + every + tail) / tokens_per_s
+    return 3 * init_s + (2 * (unique + tail) + every) / tokens_per_s
 
 
 def child(spec: dict) -> dict:
@@ -145,12 +146,15 @@ def child(spec: dict) -> dict:
 
     if "calibrate" in spec:
         prompt = random.Random(3).choices(range(3, VOCAB), k=spec["calibrate"])
-        first_token(prompt)  # the first request of an engine pays for its warm-up
-        seconds = min(first_token(prompt)[0] for _ in range(2))
+        first_token(prompt[:32])  # the first request of an engine pays for its warm-up
+        seconds = first_token(prompt)[0]
         return {"init_s": init_s, "tokens_per_s": len(prompt) / seconds, "block_size": block}
     out: dict = {}
+    if not spec.get("warm", True):  # nothing to store: only the engine's first-request warm-up
+        first_token(random.Random(5).choices(range(3, VOCAB), k=64))
     for name, prompts in spec["workloads"].items():
-        for prompt in prompts:  # warm: compute (and, with a connector, store) every prefix once
+        for prompt in prompts if spec.get("warm", True) else ():
+            # warm: compute (and, with a connector, store) every prefix once
             llm.generate([TokensPrompt(prompt_token_ids=prompt)], one, use_tqdm=False)
         if spec.get("settle"):
             settle(spec["settle"])  # stores are submitted a step late
@@ -290,7 +294,7 @@ def main() -> int:
                       "kv_connector_extra_config": {"cpu_bytes_to_use": 2 * 1024**3,
                                                     "blocks_per_chunk": args.blocks_per_chunk}}
             results = {
-                "vllm": run_child(base, work, "vllm"),
+                "vllm": run_child({**base, "warm": False}, work, "vllm"),
                 "kvtierd": run_child({**base, "kv_transfer_config": kvtier, "settle": address},
                                      work, "kvtierd"),
                 "vllm-native-cpu": run_child({**base, "kv_transfer_config": native, "pause": 2.0},
