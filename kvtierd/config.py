@@ -73,6 +73,14 @@ class Config:
     # "write-back": chunks reach NVMe when the CPU tier evicts them; "write-through": every commit
     # is also written to NVMe at once.
     nvme_write_policy: str = "write-back"
+    # Admission filter of the NVMe tier: a chunk is written there only once it was read (GET) this
+    # many times (vLLM's store_threshold); 0 = every chunk.
+    nvme_publish_after_reads: int = 0
+    # When chunks reach the remote tier (when one is configured): "on-commit" (every committed
+    # chunk, asynchronously) or "on-evict" (only what leaves the local tiers).
+    remote_publish: str = "on-commit"
+    # Admission filter of the remote tier, as nvme_publish_after_reads.
+    remote_publish_after_reads: int = 0
     # Threads doing NVMe reads/writes (bounded queue depth).
     io_threads: int = 4
     # Test-only: a JSON file naming errnos to inject into NVMe ops ({"write": "ENOSPC"}); empty = off.
@@ -272,6 +280,12 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(key, getattr(cfg, key), "a positive number of seconds")
     if cfg.nvme_write_policy not in ("write-back", "write-through"):
         raise ConfigError("nvme_write_policy", cfg.nvme_write_policy, "write-back, write-through")
+    if cfg.remote_publish not in ("on-commit", "on-evict"):
+        raise ConfigError("remote_publish", cfg.remote_publish, "on-commit, on-evict")
+    for key in ("nvme_publish_after_reads", "remote_publish_after_reads"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(key, getattr(cfg, key), "0 (every chunk) or a positive number of "
+                              "reads")
     if cfg.nvme_bytes and cfg.nvme_bytes < cfg.page_bytes:
         raise ConfigError("nvme_bytes", cfg.nvme_bytes, f"0 (off) or at least page_bytes "
                           f"({cfg.page_bytes})")

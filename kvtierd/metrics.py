@@ -128,11 +128,11 @@ class DaemonMetrics:
             registry=r,
         )
         self.demotions = Counter(
-            "kvtierd_demotions", "Chunks written from the CPU tier to the NVMe tier on eviction",
+            "kvtierd_demotions", "Chunks written from the CPU tier to a lower tier on eviction",
             registry=r,
         )
         self.promotions = Counter(
-            "kvtierd_promotions", "Chunks read from the NVMe tier back into the CPU tier",
+            "kvtierd_promotions", "Chunks read from a lower tier back into the CPU tier",
             registry=r,
         )
         self.io_failures = Counter(
@@ -142,6 +142,21 @@ class DaemonMetrics:
         self.io_latency = Histogram(
             "kvtierd_nvme_io_duration_seconds", "NVMe job time (data + fdatasync + index)",
             ["op"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        # The tier chain (kvtierd.server.chain): per lower tier, whether it is used now (0 while
+        # it says it is unavailable or its circuit is open), how often it became unavailable, and
+        # its job latency by op (every tier; the NVMe histogram above predates it).
+        self.tier_available = Gauge(
+            "kvtierd_tier_available", "1 while a lower tier is used, 0 while it is skipped "
+            "(unavailable or circuit open)", ["tier"], registry=r,
+        )
+        self.tier_unavailable = Counter(
+            "kvtierd_tier_unavailable", "Times a lower tier became unavailable (circuit opened)",
+            ["tier"], registry=r,
+        )
+        self.tier_io_latency = Histogram(
+            "kvtierd_tier_io_duration_seconds", "Lower-tier job time, by tier and op",
+            ["tier", "op"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.quota_rejections = Counter(
             "kvtierd_quota_rejections",

@@ -36,7 +36,8 @@ Per-op fields (request -> reply):
   ``BAD_HANDLE``: a name can be opened, swapped or truncated by others, a sealed memfd cannot.
 * PING -> ``handshake: str`` (the path of the staging handshake socket; needs no session or
   token) and is also a session heartbeat.
-* LOOKUP ``keys: [bytes], lease?: bool`` -> ``tiers: [int]`` (``Tier`` per key, 0 = miss).
+* LOOKUP ``keys: [bytes], lease?: bool`` -> ``tiers: [int]`` (``Tier`` per key, 0 = miss). With a
+  remote tier the reply may wait for one batched existence check of the keys no tier knows.
 * PUT ``items: [[key, offset, nbytes], ...]`` -> ``results: [int]`` (``Status`` per item; ``EXISTS``
   means the key was already stored by the same layout and nothing was copied; ``QUOTA_EXCEEDED``
   that the tenant's CPU-tier quota is full of its own chunks that cannot be evicted).
@@ -138,6 +139,9 @@ class Tier(enum.IntEnum):
     NONE = 0
     CPU = 1
     NVME = 2
+    # Held by the remote tier (another node may have stored it); a GET promotes it. Clients that
+    # predate it decode an unknown number as a miss (kvtier_client.index), never as a hit.
+    REMOTE = 3
 
 
 class ProtocolError(Exception):

@@ -153,7 +153,10 @@ class KVTierOffloadingManager(OffloadingManager):
         return LookupResult.MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        # vLLM has no "remote store" source of its own: its fallback names one.
         tier = self._lookups.known(bytes(key))
+        if tier == Tier.REMOTE:
+            return CacheHitSource.EXTERNAL_UNSPECIFIED
         return CacheHitSource.DISK if tier == Tier.NVME else CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:

@@ -46,7 +46,7 @@ from kvtierd.server.connections import (
 from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
 from kvtierd.server.handshake import HandshakeServer
-from kvtierd.server.movement import TierMover
+from kvtierd.server.chain import TierChain
 from kvtierd.server.probes import ProbeSchedule
 from kvtierd.server.sessions import SessionTable
 from kvtierd.server.socket_files import AlreadyServing  # noqa: F401 (the CLI's import)
@@ -63,7 +63,8 @@ from kvtierd.staging import MemfdStaging
 from kvtierd.tiers.arena import SHM_DIR, Arena
 from kvtierd.tiers.index_db import ChunkIndexDB
 from kvtierd.tiers.cpu import CpuTier
-from kvtierd.tiers.nvme import NvmeTier
+from kvtierd.tiers.lower import LowerTier, Publish, PublishPolicy
+from kvtierd.tiers.nvme_lower import NvmeLowerTier
 from kvtierd.tiers.pinning import ArenaPinner
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,11 @@ NOTICE = pack(reply(0, Status.OK, notice="probe"))
 NEEDS_SESSION = {Op.LOOKUP, Op.PUT, Op.GET, Op.DELETE, Op.BYE}
 MAX_TICKETS = 256  # handshakes awaiting their HELLO (each may hold a client's mapping)
 LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
+
+
+def remote_policy(cfg: Config) -> PublishPolicy:
+    """The remote tier's publishing policy (``remote_publish``, ``remote_publish_after_reads``)."""
+    return PublishPolicy(Publish(cfg.remote_publish), cfg.remote_publish_after_reads)
 
 
 class Daemon:
@@ -140,15 +146,9 @@ class Daemon:
             quota_pages=self._quota_pages,
         )
         self._attach_arena_index(cfg)
-        self.nvme = self._open_nvme(cfg)
-        if self.nvme is not None:
-            for ikey, entry in self.tier.index.items():  # warm restart: which copies are clean
-                below = self.nvme.index.get(ikey)
-                entry.on_nvme = below is not None and below.checksum == entry.checksum
         self.engine = CopyEngine(cfg.copy_threads)
         self.io_engine = CopyEngine(cfg.io_threads, inline_bytes=-1)  # disk I/O never inline
-        self.mover = TierMover(self.tier, self.nvme, self.io_engine, self.metrics,
-                               write_through=cfg.nvme_write_policy == "write-through")
+        self.mover = TierChain(self.tier, self._lower_tiers(cfg), self.io_engine, self.metrics)
         self.metrics.add_tiers(self.mover.tier_stats)
         self.sessions = SessionTable(self.tier, cfg.session_timeout_s, cfg.lease_timeout_s)
         accounting = Accounting(self.metrics)
@@ -162,6 +162,7 @@ class Daemon:
                                    self.tickets, self.tenants)
         self.handlers.metrics_address = self.metrics_address
         self.handlers.handshake_stats = self.handshake.counts
+        self.handlers.send = self._send  # LOOKUPs answered after a lower tier's existence check
         self.pinner = ArenaPinner(self.arena.address, self.arena.nbytes)  # started by serve()
         self._ready_sent = False
         self._pinned_reported = -1
@@ -205,17 +206,33 @@ class Daemon:
         log.info("persistent arena %s: %s, %d chunks re-attached (checked on first read)",
                  self.arena.path, "re-attached" if self.arena.attached else "new", recovered)
 
+    def _lower_tiers(self, cfg: Config) -> list[tuple[LowerTier, PublishPolicy]]:
+        """The tiers below the arena, in chain order, each with its publishing policy. Opened one
+        by one; a failure closes the ones already open (the start fails with its message)."""
+        tiers: list[tuple[LowerTier, PublishPolicy]] = []
+        try:
+            nvme = self._open_nvme(cfg)
+            if nvme is not None:
+                when = (Publish.ON_COMMIT if cfg.nvme_write_policy == "write-through"
+                        else Publish.ON_EVICT)
+                tiers.append((nvme, PublishPolicy(when, cfg.nvme_publish_after_reads)))
+        except BaseException:
+            for tier, _ in tiers:
+                tier.close()
+            raise
+        return tiers
+
     @staticmethod
-    def _open_nvme(cfg: Config) -> NvmeTier | None:
+    def _open_nvme(cfg: Config) -> NvmeLowerTier | None:
         if not cfg.nvme_bytes:
             log.info("NVMe tier off (nvme_bytes = 0)")
             return None
         fault_file = Path(cfg.nvme_fault_file) if cfg.nvme_fault_file else None
         if fault_file is not None:
             log.warning("NVMe fault injection is ON (%s): a test setting", fault_file)
-        return NvmeTier(cfg.resolved_nvme_dir(), cfg.nvme_bytes, cfg.page_bytes,
-                        policy=cfg.eviction_policy, fault_file=fault_file,
-                        instance=cfg.instance_id, dir_mode=cfg.state_dir_bits)
+        return NvmeLowerTier(cfg.resolved_nvme_dir(), cfg.nvme_bytes, cfg.page_bytes,
+                             policy=cfg.eviction_policy, fault_file=fault_file,
+                             instance=cfg.instance_id, dir_mode=cfg.state_dir_bits)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -281,15 +298,18 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.engine.wake_fd, zmq.POLLIN)
-        poller.register(self.io_engine.wake_fd, zmq.POLLIN)
+        io_engines = {engine.wake_fd: engine for engine in self.mover.engines}
+        for fd in io_engines:
+            poller.register(fd, zmq.POLLIN)
         next_tick = time.monotonic() + TICK_S
         while not self._stop.is_set():
             timeout_ms = max(0.0, (next_tick - time.monotonic()) * 1000)
             events = dict(poller.poll(timeout_ms))
             if self.engine.wake_fd in events:
                 self._drain_completions()
-            if self.io_engine.wake_fd in events:
-                self._drain_io()
+            for fd, engine in io_engines.items():
+                if fd in events:
+                    self._drain_io(engine)
             if self.socket in events:
                 self._drain_requests()
             self.mover.flush()  # writes and deletes queued by what was just handled
@@ -317,12 +337,12 @@ class Daemon:
             except Exception:
                 log.exception("completing a copy failed")
 
-    def _drain_io(self) -> None:
-        for job, result, error in self.io_engine.completions():
+    def _drain_io(self, engine: CopyEngine) -> None:
+        for job, result, error in engine.completions():
             try:
                 self.mover.on_io_done(job, result, error)
             except Exception:
-                log.exception("completing an NVMe job failed")
+                log.exception("completing a lower-tier job failed")
 
     def _probe_sessions(self, since: float) -> None:
         """Probe the sessions not heard from since the latest disconnect (``probes``)."""
@@ -362,18 +382,19 @@ class Daemon:
         log.info("kvtierd stopping")
         deadline = time.monotonic() + 30.0
         self.mover.flush()
-        while (self.engine.in_flight or self.io_engine.in_flight) and time.monotonic() < deadline:
+        while ((self.engine.in_flight or any(e.in_flight for e in self.mover.engines))
+               and time.monotonic() < deadline):
             time.sleep(0.01)
             self._drain_completions()
-            self._drain_io()
+            for engine in self.mover.engines:
+                self._drain_io(engine)
             self.mover.flush()
         self.handshake.close()
         self.tickets.close_all()
         self.sessions.close_all("daemon stopping")
         self.engine.close()
         self.io_engine.close()
-        if self.nvme is not None:
-            self.nvme.close()
+        self.mover.close()
         self._close_sockets()
         self.metrics.close()
         if self.tier.db is not None:

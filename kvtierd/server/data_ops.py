@@ -6,10 +6,11 @@ abort if the copy failed or the session ended meanwhile. An item that finds the 
 demotions to NVMe are in flight is *parked* (not failed) and retried as pages come back, so a burst
 larger than the watermark headroom is slowed down, not refused.
 
-GET: a CPU hit is acquired and copied arena → staging. An NVMe hit is first promoted: arena pages
-are reserved, the NVMe read fills and verifies them (checksum), the chunk is committed to the arena
-(``on_nvme``: its NVMe copy stays), then copied out like a CPU hit. Per-item outcomes go into
-``results`` with a message per failure in ``errors``; one bad item never fails its neighbours.
+GET: a CPU hit is acquired and copied arena → staging. A hit in a lower tier (NVMe, remote) is
+first promoted: arena pages are reserved, the tier chain reads and verifies them and commits the
+chunk to the arena (its copy below stays), then it is copied out like a CPU hit. Per-item outcomes
+go into ``results`` with a message per failure in ``errors``; one bad item never fails its
+neighbours.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import Op, ProtocolError, Status, Tier, reply
 from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
-from kvtierd.server.movement import TierMover
+from kvtierd.server.chain import TierChain
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.tenants import TenantTable
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
@@ -63,7 +64,7 @@ class Batch:
 
 
 class DataOps:
-    def __init__(self, cfg: Config, mover: TierMover, sessions: SessionTable, engine: CopyEngine,
+    def __init__(self, cfg: Config, mover: TierChain, sessions: SessionTable, engine: CopyEngine,
                  metrics: DaemonMetrics, accounting: Accounting,
                  send: Callable[..., Any], tenants: TenantTable) -> None:
         self.cfg = cfg
@@ -102,8 +103,7 @@ class DataOps:
                       nbytes: int) -> None:
         session = batch.session
         ikey = session.ikey(key)
-        nvme = self.mover.nvme
-        below = nvme.index.get(ikey) if nvme is not None else None
+        below = self.mover.peek_below(ikey)
         if below is not None and ikey not in self.tier.index:
             status = self._existing_below(below, session.fingerprint, nbytes)
             if status is Status.EXISTS:
@@ -190,21 +190,21 @@ class DataOps:
                   nbytes: int) -> None:
         session = batch.session
         status, tier, entry = self.mover.lookup(session.ikey(key), session.fingerprint)
-        if entry is not None and entry.nbytes != nbytes:
+        if entry is not None and entry.nbytes and entry.nbytes != nbytes:  # 0: known by reading
             status, entry = Status.SIZE_MISMATCH, None
         # A read refreshes the key in the ghosts as in the tier, but the LOOKUP before it counted
         # this chunk request already (kvtierd.server.accounting).
         self.ghosts.touch(session.ikey(key))
         if entry is None:
             self._get_miss(batch, i, status)
-        elif session.staging is None and not self._take_inline_budget(batch, entry.nbytes):
+        elif session.staging is None and not self._take_inline_budget(batch, nbytes):
             self.metrics.refused.labels("inline_reply_bytes").inc()
             self._fail(batch, i, Status.TOO_LARGE,
                        f"this session's inline GET replies would hold more than "
                        f"max_inline_reply_bytes ({self.cfg.max_inline_reply_bytes}); ask for "
                        "fewer or smaller chunks per GET, and read earlier replies")
-        elif tier is Tier.NVME:
-            self._promote(batch, i, entry, key, offset)
+        elif tier is not Tier.CPU:
+            self._promote(batch, i, tier, entry, key, offset, nbytes)
         else:
             jobs.append(self._copy_out_job(batch, i, entry, offset))
 
@@ -229,43 +229,42 @@ class DataOps:
             return (i, entry, batch.out_frames[i])
         return (i, entry, offset)
 
-    def _promote(self, batch: Batch, i: int, source: ChunkEntry, key: bytes, offset: Any) -> None:
-        status, target = self.tier.reserve(source.ikey, source.fingerprint, source.nbytes, 0)
+    def _promote(self, batch: Batch, i: int, tier: Tier, source: ChunkEntry, key: bytes,
+                 offset: Any, nbytes: int) -> None:
+        status, target = self.tier.reserve(source.ikey, source.fingerprint, nbytes, 0)
         if target is None:
             if status is Status.NO_SPACE and self.mover.space_coming():
-                batch.parked.append((i, key, offset, source.nbytes))
+                batch.parked.append((i, key, offset, nbytes))
                 if batch.session.staging is None:  # taken again when the item is retried
-                    batch.session.inline_reply_bytes -= source.nbytes
-                    batch.inline_bytes -= source.nbytes
+                    batch.session.inline_reply_bytes -= nbytes
+                    batch.inline_bytes -= nbytes
                 return
-            why = (self._reserve_message(status, source.nbytes, batch.session.tenant)
+            why = (self._reserve_message(status, nbytes, batch.session.tenant)
                    if status is Status.QUOTA_EXCEEDED else "no room in the CPU tier")
-            self._get_miss(batch, i, status, f"cannot promote this NVMe chunk: {why}")
+            self._get_miss(batch, i, status,
+                           f"cannot promote this {tier.name.lower()} chunk: {why}")
             return
         batch.jobs_left += 1
         batch.session.in_flight += 1
 
-        def done(ok: bool) -> None:
+        def done(ok: bool, why: str) -> None:
+            # The chain committed the target (ok) or aborted it (failed its check, unreadable,
+            # or DELETEd while being read).
             batch.session.in_flight -= 1
             batch.jobs_left -= 1
-            if not ok or source.doomed:  # failed its check, or DELETEd while being read
-                self.tier.abort(target)
-                self._get_miss(batch, i, Status.CHECKSUM_MISMATCH,
-                               "the NVMe copy failed its check or could not be read; dropped")
-            else:
-                self.tier.commit(target, source.checksum)
-                target.on_nvme = True
-                if not batch.session.closed:
-                    self._submit(batch, [self._copy_out_job(batch, i, target, offset)],
-                                 self._get_job, extend=True)
-                else:  # promoted for the next reader; this one is gone and was served nothing
-                    self._fail(batch, i, Status.NO_SESSION, "the session ended during promotion")
+            if not ok:
+                self._get_miss(batch, i, Status.CHECKSUM_MISMATCH, f"{why}; not served")
+            elif not batch.session.closed:
+                self._submit(batch, [self._copy_out_job(batch, i, target, offset)],
+                             self._get_job, extend=True)
+            else:  # promoted for the next reader; this one is gone and was served nothing
+                self._fail(batch, i, Status.NO_SESSION, "the session ended during promotion")
             self.sessions.release_staging(batch.session)
             self._maybe_finish(batch)
             if self.waiting:
                 self.retry_parked()
 
-        self.mover.promote(source, target, done)
+        self.mover.promote(tier, source, target, done)
 
     # -- shared --------------------------------------------------------------------------------------
     def _batch(self, session: Session, op: Op, header: dict) -> Batch:
@@ -442,14 +441,14 @@ class DataOps:
         if error is None and not corrupt:
             entry.verified = True
             self.metrics.bytes.labels("out", "cpu").inc(entry.nbytes)
+            self.mover.after_read(entry)
             return
         if batch.out_frames:
             batch.out_frames[index] = b""
         if corrupt:
             self.metrics.integrity_failures.labels("cpu").inc()
             log.error("chunk %r failed its checksum after a warm restart; dropped", entry.ikey)
-            if self.tier.index.get(entry.ikey) is entry:
-                self.tier.delete(entry.ikey)
+            self.mover.drop_cpu(entry)
             self._fail(batch, index, Status.CHECKSUM_MISMATCH, "stored bytes failed their check")
         elif isinstance(error, CudaContextLost):
             self._fail(batch, index, Status.SHUTTING_DOWN, str(error))

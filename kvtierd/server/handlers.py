@@ -1,7 +1,8 @@
 """Session and index ops: HELLO, BYE, PING, LOOKUP, DELETE, STATS, CHECK (one method each).
 
 The ops that move bytes (PUT, GET) live in ``data_ops``. Each method returns the reply's fields, or
-raises ``ProtocolError`` for a request refused as a whole.
+raises ``ProtocolError`` for a request refused as a whole; a LOOKUP waiting for a lower tier's
+existence check returns None and is answered through ``send``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from kvtierd.protocol import (
     ProtocolError,
     Status,
     Tier,
+    reply,
 )
 from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.admission import token_matches
-from kvtierd.server.movement import TierMover
+from kvtierd.server.chain import TierChain
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
@@ -41,7 +43,7 @@ class OpHandlers:
     def __init__(
         self,
         cfg: Config,
-        mover: TierMover,
+        mover: TierChain,
         sessions: SessionTable,
         metrics: DaemonMetrics,
         accounting: Accounting,
@@ -56,6 +58,7 @@ class OpHandlers:
         self.metrics = metrics
         self.accounting = accounting
         self.tickets = tickets
+        self.send: Callable[..., object] = lambda *args, **kw: None  # the daemon's reply sender
         self.handshake_stats: dict[str, int] = {}  # the handshake server's counts (STATS)
         self.ghosts = GhostCaches([], cfg.page_bytes)  # the daemon sets the real ones
         self.started_at = time.time()
@@ -163,16 +166,44 @@ class OpHandlers:
         return {"handshake": str(self.cfg.handshake_path)}
 
     # -- index -----------------------------------------------------------------------------------
-    def lookup(self, session: Session, header: dict, frames: list) -> dict:
+    def lookup(self, session: Session, header: dict, frames: list) -> dict | None:
+        """Answered now, or (None) once the batched existence checks of the keys that only a
+        lower tier such as the remote one can tell about have answered (``TierChain.check``)."""
         keys = requests.batch(header, "keys", self.cfg.max_batch)
         lease = requests.flag(header, "lease", False)
-        tiers = []
         for key in keys:
             problem = requests.key_problem(key)
             if problem is not None:
                 raise ProtocolError(problem[0], problem[1])
-            status, tier, entry = self.mover.lookup(session.ikey(key), session.fingerprint)
-            self.ghosts.access(session.ikey(key), None if entry is None else tier.name.lower())
+        ikeys = [session.ikey(key) for key in keys]
+        found = [self.mover.lookup(ikey, session.fingerprint) for ikey in ikeys]
+        missed = [ikey for ikey, (status, _, entry) in zip(ikeys, found)
+                  if entry is None and status is Status.MISS]
+        if missed and self.mover.checks_existence:
+            started = time.perf_counter()
+
+            def later() -> None:  # answered with what the tiers know now
+                try:
+                    again = [self.mover.lookup(ikey, session.fingerprint) for ikey in ikeys]
+                    fields = self._lookup_answer(session, ikeys, again,
+                                                 lease and not session.closed)
+                    header_out, status = reply(header.get("id"), Status.OK, **fields), "OK"
+                except Exception as exc:  # every request gets a reply, even this late
+                    log.exception("answering a LOOKUP after its existence check failed")
+                    header_out = reply(header.get("id"), Status.INTERNAL, f"internal error: {exc}")
+                    status = Status.INTERNAL.name
+                self.send(session.identity, header_out, [])
+                self.metrics.requests.labels("lookup", status).inc()
+                self.metrics.latency.labels("lookup").observe(time.perf_counter() - started)
+
+            if self.mover.check(missed, session.fingerprint, later):
+                return None
+        return self._lookup_answer(session, ikeys, found, lease)
+
+    def _lookup_answer(self, session: Session, ikeys: list, found: list, lease: bool) -> dict:
+        tiers = []
+        for ikey, (status, tier, entry) in zip(ikeys, found):
+            self.ghosts.access(ikey, None if entry is None else tier.name.lower())
             if entry is None:
                 self.accounting.lookup_miss(status)
                 tiers.append(int(Tier.NONE))
@@ -250,8 +281,7 @@ class OpHandlers:
         """Verify tier and session invariants; O(chunks), so an admin/test op, not a hot one."""
         try:
             self.tier.check_invariants()
-            if self.mover.nvme is not None:
-                self.mover.nvme.check_invariants()
+            self.mover.check_invariants()
             self.sessions.check_invariants()
             self.ghosts.check_invariants()
         except AssertionError as exc:

@@ -18,7 +18,8 @@ from kvtierd.protocol import Op
 class DaemonProcess:
     def __init__(self, workdir: Path, flags: list[str], cpu_bytes: str = "64MiB",
                  page_bytes: str = "64KiB", env: dict | None = None,
-                 nvme_bytes: str = "64MiB", preexec_fn=None) -> None:
+                 nvme_bytes: str = "64MiB", preexec_fn=None,
+                 launcher: list[str] | None = None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.address = f"ipc://{workdir / 'kvtierd.sock'}"
@@ -32,13 +33,15 @@ class DaemonProcess:
         self.token = admin_token(flags, self.env)  # what STATS/CHECK present
         self.proc: subprocess.Popen | None = None
         self.preexec_fn = preexec_fn  # e.g. a lower RLIMIT_NOFILE for the daemon only
+        # What runs "serve FLAGS": kvtierd itself, or a script that wires a test tier into it.
+        self.launcher = launcher or [sys.executable, "-m", "kvtierd", "serve"]
 
     def start(self, timeout_s: float = 30.0, wait: bool = True) -> None:
         """Start the daemon; with ``wait``, return once it answers a PING."""
         self.token = admin_token(self.flags, self.env)  # a restart may run with another env
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtierd", "serve", *self.flags],
+            [*self.launcher, *self.flags],
             stdout=self._log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=self.preexec_fn)
         if not wait:
             return

@@ -121,6 +121,9 @@ def test_remote_tcp_socket_needs_allow_remote():
         ("handshake_socket", "/" + "h" * 120, {"handshake_socket": "/" + "h" * 120}),
         ("socket", "/" + "s" * 105 + ".hs", {"socket": "ipc:///" + "s" * 105}),
         ("ticket_timeout_s", 0.0, {"ticket_timeout_s": 0}),
+        ("remote_publish", "on-read", {"remote_publish": "on-read"}),
+        ("nvme_publish_after_reads", -1, {"nvme_publish_after_reads": -1}),
+        ("remote_publish_after_reads", -2, {"remote_publish_after_reads": -2}),
     ],
 )
 def test_invalid_values_name_key_and_value(key, value, overrides):

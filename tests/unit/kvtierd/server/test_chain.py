@@ -1,4 +1,4 @@
-"""TierMover on real tiers (arena in /dev/shm, NVMe file in tmp): the races that timing can't reach
+"""TierChain on real tiers (arena in /dev/shm, NVMe file in tmp): the races that timing can't reach
 from outside — a DELETE landing while a chunk is being demoted or promoted."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import xxhash
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import Status, Tier
-from kvtierd.server.movement import TierMover
+from kvtierd.server.chain import TierChain
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.cpu import CpuTier
-from kvtierd.tiers.nvme import NvmeTier
+from kvtierd.tiers.lower import Publish, PublishPolicy
+from kvtierd.tiers.nvme_lower import NvmeLowerTier
 
 PAGE = 64 * 1024
 SPACE = ("uid:1000", "ns", 0)  # (tenant, namespace, rank)
@@ -27,9 +28,9 @@ def stack(tmp_path):
     arena = Arena(f"kvtierd-test-mover-{uuid.uuid4().hex[:8]}", 16 * PAGE, prefault=False,
                   lock=False)
     cpu = CpuTier(arena, PAGE)
-    nvme = NvmeTier(tmp_path / "nvme", 64 * PAGE, PAGE)
+    nvme = NvmeLowerTier(tmp_path / "nvme", 64 * PAGE, PAGE)
     engine = CopyEngine(2, inline_bytes=-1)
-    mover = TierMover(cpu, nvme, engine, DaemonMetrics(), write_through=False)
+    mover = TierChain(cpu, [(nvme, PublishPolicy(Publish.ON_EVICT))], engine, DaemonMetrics())
     yield cpu, nvme, engine, mover
     engine.close()
     nvme.close()
@@ -48,7 +49,7 @@ def put(cpu: CpuTier, key: bytes, nbytes: int) -> tuple:
     return entry, payload
 
 
-def drain(engine: CopyEngine, mover: TierMover) -> None:
+def drain(engine: CopyEngine, mover: TierChain) -> None:
     while engine.in_flight:
         select.select([engine.wake_fd], [], [], 10)
         for job, result, error in engine.completions():
@@ -96,14 +97,13 @@ def test_delete_during_promotion_answers_a_miss_and_frees_everything(stack):
     status, target = cpu.reserve(source.ikey, "fp", source.nbytes, owner=0)
     assert status is Status.OK
     outcome = []
-    mover.promote(source, target, outcome.append)
+    mover.promote(Tier.NVME, source, target, lambda ok, why: outcome.append(ok))
     mover.delete((SPACE, b"p"))  # the arena copy is still PENDING; the NVMe copy goes now
     assert source.doomed and source.ikey not in nvme.index
     assert nvme.take_deletions() is None, "pages freed while a read still uses them"
     drain(engine, mover)
-    assert outcome == [True]  # the read itself succeeded...
-    # ...and the caller (data_ops) abandons a doomed source's promotion: abort the target
-    cpu.abort(target)
+    assert outcome == [False]  # the read succeeded, but a doomed source is not promoted
+    assert target.ikey not in cpu.index, "the aborted arena target is still indexed"
     mover.flush_deletions()
     drain(engine, mover)
     assert nvme.used_bytes == 0 and cpu.used_bytes == 0

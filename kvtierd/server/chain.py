@@ -1,0 +1,373 @@
+"""The tier chain: the arena (CPU tier) above an ordered list of lower tiers (nvme → remote).
+
+Everything that moves chunks between tiers is written here once, for any ``LowerTier``
+(``kvtierd.tiers.lower``, whose docstring is the contract and the publishing rules):
+
+* **Lookups** go down the chain, skipping tiers that are unavailable; a lower tier that cannot tell
+  without I/O (remote) gets one batched existence check per LOOKUP (``check``).
+* **Demotion** (a CPU victim): the chunk stays READY and readable in the arena, marked
+  ``demoting`` (not evictable, one ref held by the write), until its copy below is durable; then it
+  leaves the arena. A victim some tier already holds leaves at once.
+* **Publishing on commit** (``on-commit``, NVMe's write-through): every commit also starts a write;
+  the arena copy stays. With an admission filter (``after_reads``) it starts at the N-th read.
+* **Promotion**: a GET hit below reads the chunk into reserved arena pages (the caller parks items
+  while the arena is full, as for any promotion), verified by the tier, then commits it.
+* **Faults**: a failed write drops that chunk from the tier (and, for a demotion, from the arena,
+  which it was leaving anyway); a failed or corrupt read drops the copy below and the reader gets a
+  miss; a job raising ``TierUnavailable`` opens the tier's circuit for its ``retry_s`` (skipped by
+  lookups, reads and writes meanwhile). Each raises a metric (``tier`` label) and a log line; the
+  daemon keeps serving.
+
+Runs on the loop thread; every byte transfer is a job on the I/O engine (its own thread pool, so a
+slow disk or network never stalls the request loop or the memcpy threads). Job completions are in
+``kvtierd.server.chain_io``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Hashable, Sequence
+
+from kvtierd.copy.engine import CopyEngine
+from kvtierd.metrics import DaemonMetrics
+from kvtierd.protocol import Status, Tier
+from kvtierd.server import chain_io
+from kvtierd.tiers.chunk import ChunkEntry
+from kvtierd.tiers.cpu import CpuTier
+from kvtierd.tiers.lower import LowerTier, Publish, PublishPolicy
+
+log = logging.getLogger(__name__)
+
+#: Writes queued during one loop iteration are flushed as jobs of about this many bytes, so that
+#: many small chunks share one fdatasync (or one batched remote put) and one index transaction.
+WRITE_JOB_BYTES = 32 * 1024**2
+#: Existence checks in flight at once; past it a LOOKUP answers from what the tiers know.
+MAX_CHECKS_IN_FLIGHT = 64
+WRITE_KINDS = ("demote", "write_through")
+
+
+class ChainEvents:
+    """Where "chunk now durable in tier X" and "chunk dropped from tier X" happen, for every tier
+    (``tier`` is the metric label: cpu, nvme, remote). KV events subscribe by replacing these."""
+
+    def stored(self, tier: str, entry: ChunkEntry) -> None:
+        return None
+
+    def dropped(self, tier: str, entry: ChunkEntry) -> None:
+        return None
+
+
+@dataclass(eq=False)
+class Link:
+    """One lower tier in the chain, with its publishing policy and circuit state."""
+
+    tier: LowerTier
+    policy: PublishPolicy
+    engine: CopyEngine  # where its jobs run: the shared I/O pool or its own (LowerTier.io_threads)
+    open_until: float = 0.0  # circuit open (tier skipped) until this monotonic time
+    up: bool = True  # what the last check said (logged and exported on change)
+    queued: dict[str, list[tuple[ChunkEntry, ChunkEntry]]] = field(
+        default_factory=lambda: {kind: [] for kind in WRITE_KINDS})  # (cpu entry, target)
+
+    @property
+    def name(self) -> str:
+        return self.tier.name
+
+
+@dataclass(eq=False)
+class IoJob:
+    kind: str  # "demote" | "write_through" | "promote" | "delete" | "exists"
+    link: Link
+    target: ChunkEntry | None = None  # promote: the arena target (PENDING)
+    source: ChunkEntry | None = None  # promote: the copy below
+    writes: list[tuple[ChunkEntry, ChunkEntry]] | None = None  # (cpu entry, target below)
+    deleted: list[ChunkEntry] | None = None
+    keys: list[Hashable] | None = None  # exists: the keys asked about
+    fingerprint: str = ""
+    done: Callable[..., None] | None = None  # promote: the waiting GET item; exists: the LOOKUP
+    started: float = field(default_factory=time.perf_counter)
+
+
+class TierChain:
+    def __init__(self, cpu: CpuTier, lower: Sequence[tuple[LowerTier, PublishPolicy]],
+                 engine: CopyEngine, metrics: DaemonMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cpu = cpu
+        self.engine = engine
+        self._own_engines: list[CopyEngine] = []  # per-tier pools, closed with the chain
+        self.links = []
+        for tier, policy in lower:
+            if tier.io_threads:
+                self._own_engines.append(CopyEngine(tier.io_threads, inline_bytes=-1))
+            self.links.append(Link(tier, policy, self._own_engines[-1] if tier.io_threads
+                                   else engine))
+        self.metrics = metrics
+        self.clock = clock
+        self.events = ChainEvents()
+        self.on_space: Callable[[], None] = lambda: None  # set by the data ops (parked items)
+        # Reads of arena chunks, kept only while some tier filters admission by reads.
+        self._admission = any(link.policy.after_reads for link in self.links)
+        self._reads: Counter[Hashable] = Counter()
+        self.checks_in_flight = 0
+        for link in self.links:
+            link.tier.on_drop = partial(self._lower_dropped, link)
+            metrics.tier_available.labels(link.name).set(1)
+            metrics.tier_unavailable.labels(link.name)  # primed at 0: alerts need a series
+        if self.links:
+            cpu.demoter = self.demote
+        cpu.on_evict = self._cpu_evicted
+
+    @property
+    def checks_existence(self) -> bool:
+        """Whether some lower tier needs existence checks for keys it does not know (remote)."""
+        return any(link.tier.checks_existence for link in self.links)
+
+    @property
+    def engines(self) -> list[CopyEngine]:
+        """Every I/O pool whose completions the loop must drain (``on_io_done``)."""
+        return [self.engine, *self._own_engines]
+
+    @property
+    def lower(self) -> list[LowerTier]:
+        return [link.tier for link in self.links]
+
+    def link(self, tier: Tier) -> Link:
+        for link in self.links:
+            if link.tier.tier is tier:
+                return link
+        raise KeyError(f"no {tier.name} tier in the chain")
+
+    # -- health ------------------------------------------------------------------------------------
+    def usable(self, link: Link) -> bool:
+        """Whether the tier may be asked now: it says it is available and its circuit is closed."""
+        ok = self.clock() >= link.open_until and link.tier.available()
+        if ok != link.up:
+            link.up = ok
+            self.metrics.tier_available.labels(link.name).set(int(ok))
+            if ok:
+                log.info("%s tier is available again; lookups and writes use it", link.name)
+            else:
+                self.metrics.tier_unavailable.labels(link.name).inc()
+                log.warning("%s tier reports itself unavailable; lookups and writes skip it, "
+                            "the tiers above keep serving", link.name)
+        return ok
+
+    def trip(self, link: Link, error: BaseException) -> None:
+        """A job found the tier unreachable: skip it for its ``retry_s``."""
+        link.open_until = self.clock() + link.tier.retry_s
+        if link.up:
+            link.up = False
+            self.metrics.tier_available.labels(link.name).set(0)
+            self.metrics.tier_unavailable.labels(link.name).inc()
+            log.warning("%s tier unavailable (%s); skipped for %.1f s, the tiers above keep "
+                        "serving", link.name, error, link.tier.retry_s)
+
+    # -- lookups across tiers ----------------------------------------------------------------------
+    def lookup(self, ikey: Any, fingerprint: str) -> tuple[Status, Tier, ChunkEntry | None]:
+        status, entry = self.cpu.lookup(ikey, fingerprint)
+        if entry is not None or status is Status.LAYOUT_MISMATCH:
+            return status, Tier.CPU, entry
+        for link in self.links:
+            if not self.usable(link):
+                continue
+            status, entry = link.tier.lookup(ikey, fingerprint)
+            if entry is not None or status is Status.LAYOUT_MISMATCH:
+                return status, link.tier.tier, entry
+        return Status.MISS, Tier.NONE, None
+
+    def peek_below(self, ikey: Hashable) -> ChunkEntry | None:
+        """The first usable lower tier's entry under ``ikey`` (any state), without touching it."""
+        for link in self.links:
+            if self.usable(link):
+                entry = link.tier.peek(ikey)
+                if entry is not None:
+                    return entry
+        return None
+
+    def check(self, ikeys: Sequence[Hashable], fingerprint: str,
+              done: Callable[[], None]) -> bool:
+        """Start the batched existence checks that ``ikeys`` (missed by ``lookup``) need; ``done()``
+        runs on the loop thread once all answered. False: nothing to check, answer now."""
+        todo = []
+        for link in self.links:
+            if self.checks_in_flight + len(todo) >= MAX_CHECKS_IN_FLIGHT:
+                break
+            if self.usable(link):
+                keys = link.tier.unknown(ikeys)
+                if keys:
+                    todo.append((link, list(keys)))
+        if not todo:
+            return False
+        left = [len(todo)]
+
+        def one_done() -> None:
+            left[0] -= 1
+            if not left[0]:
+                done()
+
+        for link, keys in todo:
+            self.checks_in_flight += 1
+            job = link.tier.exists_job(keys, fingerprint)
+            self._submit(IoJob("exists", link, keys=keys, fingerprint=fingerprint,
+                               done=one_done), job, 0)
+        return True
+
+    def tier_stats(self) -> list[tuple[str, dict[str, int]]]:
+        return [(self.cpu.name, self.cpu.stats())] + [(t.name, t.stats()) for t in self.lower]
+
+    def space_coming(self) -> bool:
+        """Whether arena pages may free up without anyone asking: demotions in flight, PENDING
+        chunks (their commit makes them evictable; their abort frees them), or chunks held by
+        copies in flight (evictable once released)."""
+        return (self.cpu.demoting_pages > 0 or self.cpu.pending_pages > 0
+                or self.cpu.held_pages > 0)
+
+    # -- writes ------------------------------------------------------------------------------------
+    def demote(self, entry: ChunkEntry) -> bool:
+        """A CPU victim: start writing it below (True) or let it go now (False: a tier holds it
+        already, or none admits it or has room)."""
+        reads = self._reads.pop(entry.ikey, 0)
+        for link in self.links:
+            if link.tier.holds(entry.ikey, entry.checksum):
+                return False
+            if not self.usable(link) or reads < link.policy.after_reads:
+                continue
+            target = link.tier.reserve(entry.ikey, entry.fingerprint, entry.nbytes,
+                                       entry.checksum)
+            if target is None:
+                self.metrics.io_failures.labels(link.name, "no_space").inc()
+                continue
+            self.cpu.mark_demoting(entry)
+            self.cpu.acquire(entry)
+            link.queued["demote"].append((entry, target))
+            return True
+        return False
+
+    def after_commit(self, entry: ChunkEntry) -> None:
+        """A PUT committed ``entry`` to the arena: publish it where the policy says at commit."""
+        self.events.stored(self.cpu.name, entry)
+        for link in self.links:
+            if link.policy.when is Publish.ON_COMMIT and not link.policy.after_reads:
+                self._publish(link, entry)
+
+    def after_read(self, entry: ChunkEntry) -> None:
+        """A GET served ``entry`` from the arena: the admission filter counts it."""
+        if (not self._admission or entry.demoting
+                or self.cpu.index.get(entry.ikey) is not entry):
+            return
+        self._reads[entry.ikey] += 1
+        reads = self._reads[entry.ikey]
+        for link in self.links:
+            if link.policy.when is Publish.ON_COMMIT and link.policy.after_reads == reads:
+                self._publish(link, entry)
+
+    def _publish(self, link: Link, entry: ChunkEntry) -> None:
+        if not self.usable(link) or link.tier.holds(entry.ikey, entry.checksum):
+            return
+        target = link.tier.reserve(entry.ikey, entry.fingerprint, entry.nbytes, entry.checksum)
+        if target is None:
+            return
+        self.cpu.acquire(entry)
+        link.queued["write_through"].append((entry, target))
+
+    # -- reads -------------------------------------------------------------------------------------
+    def promote(self, tier: Tier, source: ChunkEntry, target: ChunkEntry,
+                done: Callable[[bool, str], None]) -> None:
+        """Read ``source`` from ``tier`` into reserved arena pages (``target``, PENDING); commit
+        the target and ``done(True, "")``, or abort it and ``done(False, why)``."""
+        link = self.link(tier)
+        link.tier.acquire(source)
+        job = link.tier.read_job(source, self.cpu.arena, target.runs, self.cpu.segments(target))
+        self._submit(IoJob("promote", link, target=target, source=source, done=done), job,
+                     target.nbytes)
+
+    # -- removal -----------------------------------------------------------------------------------
+    def delete(self, ikey: Any) -> Status:
+        entry = self.cpu.index.get(ikey)
+        status = self.cpu.delete(ikey)
+        if status is Status.OK:
+            self._reads.pop(ikey, None)
+            self.events.dropped(self.cpu.name, entry)
+        for link in self.links:
+            below = link.tier.delete(ikey)  # even while unavailable: bookkeeping, I/O deferred
+            if status is Status.MISS:
+                status = below
+        self.flush_deletions()
+        return status
+
+    def drop_cpu(self, entry: ChunkEntry) -> None:
+        """Remove an arena chunk that failed its check (it stays below, if it is there)."""
+        if self.cpu.index.get(entry.ikey) is entry and self.cpu.delete(entry.ikey) is Status.OK:
+            self._reads.pop(entry.ikey, None)
+            self.events.dropped(self.cpu.name, entry)
+
+    def _cpu_evicted(self, entry: ChunkEntry) -> None:
+        self._reads.pop(entry.ikey, None)
+        self.events.dropped(self.cpu.name, entry)
+
+    def _lower_dropped(self, link: Link, entry: ChunkEntry) -> None:
+        self.events.dropped(link.name, entry)
+
+    # -- submitting --------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Submit the writes and deletes queued during this loop iteration (called by the loop)."""
+        for link in self.links:
+            for kind, queued in link.queued.items():
+                if queued:
+                    link.queued[kind] = []
+                    self._submit_batches(link, kind, queued)
+        self.flush_deletions()
+
+    def _submit_batches(self, link: Link, kind: str,
+                        queued: list[tuple[ChunkEntry, ChunkEntry]]) -> None:
+        # Spread over the I/O threads, but never below WRITE_JOB_BYTES per job.
+        total = sum(c.nbytes for c, _ in queued)
+        per_job = max(WRITE_JOB_BYTES, -(-total // link.engine.threads))
+        batch: list[tuple[ChunkEntry, ChunkEntry]] = []
+        size = 0
+        for pair in queued:
+            batch.append(pair)
+            size += pair[0].nbytes
+            if size >= per_job:
+                self._submit_writes(link, kind, batch, size)
+                batch, size = [], 0
+        if batch:
+            self._submit_writes(link, kind, batch, size)
+
+    def _submit_writes(self, link: Link, kind: str, batch: list[tuple[ChunkEntry, ChunkEntry]],
+                       size: int) -> None:
+        items = [(target, cpu_entry.runs) for cpu_entry, target in batch]
+        self._submit(IoJob(kind, link, writes=batch), link.tier.write_job(items, self.cpu.arena),
+                     size)
+
+    def flush_deletions(self) -> None:
+        for link in self.links:
+            entries = link.tier.take_deletions()
+            if entries:
+                self._submit(IoJob("delete", link, deleted=entries),
+                             link.tier.delete_job(entries), 0)
+
+    def _submit(self, job: IoJob, fn: Callable[[], Any], nbytes: int) -> None:
+        done = job.link.engine.submit(nbytes, fn, job)
+        assert done is None, "the I/O engine never runs jobs inline"
+
+    # -- completions (kvtierd.server.chain_io) -----------------------------------------------------
+    def on_io_done(self, job: IoJob, result: Any, error: BaseException | None) -> None:
+        chain_io.complete(self, job, result, error)
+        self.flush()
+
+    def check_invariants(self) -> None:
+        for tier in self.lower:
+            tier.check_invariants()
+
+    def close(self) -> None:
+        """Close the tiers' own pools (waiting for their jobs), then the tiers."""
+        for engine in self._own_engines:
+            engine.close()
+        self._own_engines.clear()
+        for tier in self.lower:
+            tier.close()

@@ -1,0 +1,142 @@
+"""Completions of the tier chain's I/O jobs, on the loop thread (``TierChain.on_io_done``).
+
+One function per job kind; each settles the bookkeeping of both tiers involved, counts what
+happened (metrics with the ``tier`` label) and says why in the log when something failed. The
+classification of a failure is the same for every tier: ``IntegrityError`` (the copy is wrong: drop
+it, count an integrity failure), ``TierUnavailable`` (the tier is unreachable: keep the copy, open
+the circuit) or any other error (the copy is unusable: drop it, count an I/O failure by errno).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvtierd.tiers.lower import IntegrityError, TierUnavailable
+
+if TYPE_CHECKING:
+    from kvtierd.server.chain import IoJob, TierChain
+
+log = logging.getLogger(__name__)
+
+
+def complete(chain: TierChain, job: IoJob, result: Any, error: BaseException | None) -> None:
+    elapsed = time.perf_counter() - job.started
+    chain.metrics.tier_io_latency.labels(job.link.name, job.kind).observe(elapsed)
+    if job.link.name == "nvme":  # the NVMe-only histogram dashboards already use
+        chain.metrics.io_latency.labels(job.kind).observe(elapsed)
+    if isinstance(error, TierUnavailable):
+        chain.trip(job.link, error)
+    _DONE[job.kind](chain, job, result, error)
+
+
+def _demote_done(chain: TierChain, job: IoJob, result: Any, error: BaseException | None) -> None:
+    assert job.writes is not None
+    _writes_done(chain, job, error, "demotion")
+    cpu = chain.cpu
+    for entry, _ in job.writes:
+        cpu.unmark_demoting(entry)
+        cpu.release(entry)
+        leaving = cpu.index.get(entry.ikey) is entry
+        cpu.finish_demotion(entry)
+        if leaving:
+            chain.events.dropped(cpu.name, entry)
+        if error is None:
+            chain.metrics.demotions.inc()
+            chain.metrics.bytes.labels("demote", job.link.name).inc(entry.nbytes)
+    chain.on_space()
+
+
+def _write_through_done(chain: TierChain, job: IoJob, result: Any,
+                        error: BaseException | None) -> None:
+    assert job.writes is not None
+    _writes_done(chain, job, error, "on-commit write")
+    for entry, _ in job.writes:
+        chain.cpu.release(entry)
+        if error is None:
+            chain.metrics.bytes.labels("write_through", job.link.name).inc(entry.nbytes)
+
+
+def _writes_done(chain: TierChain, job: IoJob, error: BaseException | None, what: str) -> None:
+    assert job.writes is not None
+    tier = job.link.tier
+    for cpu_entry, target in job.writes:
+        if error is not None:
+            tier.abort(target)
+            continue
+        tier.commit(target)
+        if cpu_entry.doomed:  # DELETEd while being written: its copy below must go too
+            tier.drop(target)
+        else:
+            chain.events.stored(tier.name, target)
+    if error is not None:
+        chain.metrics.io_failures.labels(tier.name, reason(error)).inc()
+        log.error("%s %s of %d chunk(s) failed (%s); they are not stored there", tier.name, what,
+                  len(job.writes), error)
+
+
+def _promote_done(chain: TierChain, job: IoJob, result: Any, error: BaseException | None) -> None:
+    assert job.source is not None and job.target is not None and job.done is not None
+    tier, source, target = job.link.tier, job.source, job.target
+    tier.release(source)
+    if error is None and source.doomed:  # DELETEd while being read: the reader gets a miss
+        chain.cpu.abort(target)
+        job.done(False, f"the {tier.name} copy was deleted while it was read")
+        return
+    if error is not None:
+        chain.cpu.abort(target)
+        if isinstance(error, IntegrityError):
+            chain.metrics.integrity_failures.labels(tier.name).inc()
+            log.error("%s; chunk dropped from the %s tier, the reader gets a miss", error,
+                      tier.name)
+        elif not isinstance(error, TierUnavailable):
+            chain.metrics.io_failures.labels(tier.name, reason(error)).inc()
+            log.error("%s read of chunk %r failed (%s); chunk dropped", tier.name, source.ikey,
+                      error)
+        if not isinstance(error, TierUnavailable) and tier.peek(source.ikey) is source:
+            tier.drop(source)
+        job.done(False, f"the {tier.name} copy failed its check or could not be read")
+        return
+    chain.cpu.commit(target, result)
+    chain.events.stored(chain.cpu.name, target)
+    chain.metrics.promotions.inc()
+    chain.metrics.bytes.labels("promote", tier.name).inc(target.nbytes)
+    job.done(True, "")
+
+
+def _delete_done(chain: TierChain, job: IoJob, result: Any, error: BaseException | None) -> None:
+    assert job.deleted is not None
+    tier = job.link.tier
+    if error is not None:
+        # The rows may still name these pages after a crash; keeping the pages out of use is
+        # the safe side (checksums would catch a reuse, but we do not rely on that).
+        chain.metrics.io_failures.labels(tier.name, reason(error)).inc()
+        log.error("deleting %d %s chunks failed (%s); their space stays reserved until restart",
+                  len(job.deleted), tier.name, error)
+        return
+    tier.deleted(job.deleted)
+
+
+def _exists_done(chain: TierChain, job: IoJob, result: Any, error: BaseException | None) -> None:
+    assert job.keys is not None and job.done is not None
+    chain.checks_in_flight -= 1
+    if error is not None and not isinstance(error, TierUnavailable):
+        chain.metrics.io_failures.labels(job.link.name, reason(error)).inc()
+        log.error("%s existence check of %d keys failed (%s); they count as misses",
+                  job.link.name, len(job.keys), error)
+    job.link.tier.exists_done(job.keys, job.fingerprint, None if error is not None else result)
+    job.done()
+
+
+def reason(error: BaseException) -> str:
+    """The ``reason`` label of an I/O failure: the errno's name, ``unavailable`` or ``other``."""
+    if isinstance(error, TierUnavailable):
+        return "unavailable"
+    code = getattr(error, "errno", None)
+    return errno.errorcode.get(code, "other").lower() if code else "other"
+
+
+_DONE = {"demote": _demote_done, "write_through": _write_through_done,
+         "promote": _promote_done, "delete": _delete_done, "exists": _exists_done}

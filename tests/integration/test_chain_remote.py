@@ -1,0 +1,114 @@
+"""The tier chain's remote side through real daemons: two "nodes" (separate sockets, arenas, NVMe
+dirs) sharing one remote store, where the remote is a real second tier
+(``helpers.dir_remote``) so this runs in CI where Mooncake is absent. Node A stores (published on
+commit); node B, which has never seen the keys, answers LOOKUP ``REMOTE`` after one batched
+existence check and loads byte-exact; a flipped byte in a remote object is a miss with
+``kvtierd_integrity_failures_total{tier="remote"}``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.daemon import DaemonProcess
+from helpers.nvme import InlineSession, flip_byte, index_rows, metric, payload, wait_for
+
+from kvtierd.protocol import Status, Tier
+
+pytestmark = pytest.mark.timeout(120)
+
+SERVE = Path(__file__).resolve().parent.parent / "helpers" / "dir_remote_serve.py"
+CHUNK = 300 * 1024 + 123  # ends inside a page
+
+
+def node(workdir: Path, remote: Path, *flags: str, **kwargs) -> DaemonProcess:
+    d = DaemonProcess(workdir, list(flags), launcher=[sys.executable, str(SERVE), str(remote)],
+                      **kwargs)
+    d.start()
+    return d
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    started: list[DaemonProcess] = []
+
+    def start(name: str, *flags: str, **kwargs) -> DaemonProcess:
+        started.append(node(tmp_path / name, tmp_path / "remote", *flags, **kwargs))
+        return started[-1]
+
+    yield start
+    for d in started:
+        d.stop_and_verify()
+        d.remove_nvme_data()
+    (tmp_path / "remote" / "chunks.data").unlink(missing_ok=True)
+
+
+def published(d: DaemonProcess, count: int) -> None:
+    wait_for(lambda: d.stats()["tiers"]["remote"]["chunks"] == count or None, 30,
+             f"{count} chunks published to the remote")
+
+
+def test_node_b_finds_node_a_chunks_remote_and_loads_them_exactly(nodes, tmp_path):
+    data = {f"k{i}".encode(): payload(("remote", i), CHUNK) for i in range(6)}
+    a = nodes("a")
+    with InlineSession(a.address) as s:
+        assert s.put(data) == [Status.OK] * len(data)
+    published(a, len(data))
+    a.stop_and_verify()  # node A is gone; the remote store keeps its chunks
+
+    b = nodes("b")
+    with InlineSession(b.address) as s:
+        assert s.lookup(list(data) + [b"absent"]) == [Tier.REMOTE] * len(data) + [Tier.NONE]
+        results, frames, errors = s.get({k: len(v) for k, v in data.items()})
+        assert results == [Status.OK] * len(data), errors
+        assert frames == list(data.values()), "bytes from the remote differ"
+        assert s.lookup(list(data)) == [Tier.CPU] * len(data)  # promoted into B's arena
+    m = b.metrics_text()
+    assert metric(m, "kvtierd_hits_total", tier="remote") == len(data)
+    assert metric(m, "kvtierd_promotions_total") == len(data)
+    assert metric(m, "kvtierd_bytes_total", direction="promote", tier="remote") == \
+        len(data) * CHUNK
+    assert metric(m, "kvtierd_tier_available", tier="remote") == 1
+
+
+def test_a_flipped_byte_in_a_remote_object_is_a_miss_with_the_integrity_metric(nodes, tmp_path):
+    data = {b"good": payload("good", CHUNK), b"bad": payload("bad", CHUNK)}
+    a = nodes("a")
+    with InlineSession(a.address) as s:
+        assert s.put(data) == [Status.OK, Status.OK]
+    published(a, 2)
+    a.stop_and_verify()
+    remote = tmp_path / "remote"
+    row = next(r for (ns, _, key), r in index_rows(remote).items() if key == b"bad")
+    flip_byte(remote / "chunks.data", 64 * 1024, row["runs"], offset_in_chunk=CHUNK // 2)
+
+    b = nodes("b")
+    with InlineSession(b.address) as s:
+        assert s.lookup([b"good", b"bad"]) == [Tier.REMOTE, Tier.REMOTE]
+        results, frames, errors = s.get({k: CHUNK for k in data})
+        assert results[0] == Status.OK and frames[0] == data[b"good"]
+        assert results[1] == Status.CHECKSUM_MISMATCH and frames[1] == b"", errors
+        assert s.lookup([b"bad"]) == [Tier.NONE], "a corrupt remote object is still offered"
+    m = b.metrics_text()
+    assert metric(m, "kvtierd_integrity_failures_total", tier="remote") == 1
+    assert "checksum mismatch" in b.log()
+
+
+def test_on_evict_remote_gets_only_what_leaves_the_local_tiers(nodes):
+    data = {f"e{i}".encode(): payload(("evict", i), CHUNK) for i in range(12)}
+    a = nodes("a", "--nvme-bytes", "0", cpu_bytes="2MiB",
+              env={"KVTIERD_REMOTE_PUBLISH": "on-evict"})
+    with InlineSession(a.address) as s:
+        for key, value in data.items():  # one at a time: the arena holds ~6
+            assert s.put({key: value}) == [Status.OK]
+        wait_for(lambda: a.stats()["tiers"]["cpu"]["demoting_bytes"] == 0 or None, 30,
+                 "demotions done")
+        where = dict(zip(data, s.lookup(list(data))))
+        in_arena = [k for k, t in where.items() if t == Tier.CPU]
+        remote = [k for k, t in where.items() if t == Tier.REMOTE]
+        assert in_arena and remote and len(in_arena) + len(remote) == len(data), where
+        assert a.stats()["tiers"]["remote"]["chunks"] == len(remote), "on-evict published more"
+        results, frames, _ = s.get({k: CHUNK for k in remote})
+        assert results == [Status.OK] * len(remote)
+        assert frames == [data[k] for k in remote]

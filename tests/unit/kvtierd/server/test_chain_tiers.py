@@ -1,0 +1,313 @@
+"""The tier chain with three real tiers: arena → NVMe → a second real tier as "remote"
+(``helpers.dir_remote``: the NVMe tier on its own directory whose index the loop only learns
+through batched existence checks, and which can be cut off). What these pin down is chain logic
+that must hold for Mooncake too: promotion from the third tier, on-commit vs on-evict, the
+admission threshold, an unavailable tier skipped (and picked up again), integrity failures."""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import uuid
+
+import pytest
+import xxhash
+
+from helpers.dir_remote import DirRemoteTier
+from kvtierd.copy.engine import CopyEngine
+from kvtierd.metrics import DaemonMetrics
+from kvtierd.protocol import Status, Tier
+from kvtierd.server.chain import ChainEvents, TierChain
+from kvtierd.tiers.arena import Arena
+from kvtierd.tiers.cpu import CpuTier
+from kvtierd.tiers.lower import Publish, PublishPolicy
+from kvtierd.tiers.nvme_file import DATA_NAME
+from kvtierd.tiers.nvme_lower import NvmeLowerTier
+
+PAGE = 64 * 1024
+SPACE = ("uid:1000", "ns", 0)
+EVICT, COMMIT = Publish.ON_EVICT, Publish.ON_COMMIT
+
+
+class Recorder(ChainEvents):
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, bytes]] = []
+
+    def stored(self, tier, entry):
+        self.log.append(("stored", tier, entry.ikey[1]))
+
+    def dropped(self, tier, entry):
+        self.log.append(("dropped", tier, entry.ikey[1]))
+
+
+class Stack:
+    def __init__(self, tmp_path, nvme_policy, remote_policy, nvme=True):
+        self.arena = Arena(f"kvtierd-test-chain-{uuid.uuid4().hex[:8]}", 16 * PAGE,
+                           prefault=False, lock=False)
+        self.cpu = CpuTier(self.arena, PAGE)
+        self.nvme = NvmeLowerTier(tmp_path / "nvme", 16 * PAGE, PAGE) if nvme else None
+        self.remote = DirRemoteTier(tmp_path / "remote", 64 * PAGE, PAGE)
+        self.engine = CopyEngine(2, inline_bytes=-1)
+        self.metrics = DaemonMetrics()
+        self.now = [1000.0]
+        lower = [(self.nvme, nvme_policy)] if nvme else []
+        lower.append((self.remote, remote_policy))
+        self.chain = TierChain(self.cpu, lower, self.engine, self.metrics,
+                               clock=lambda: self.now[0])
+        self.events = self.chain.events = Recorder()
+
+    def put(self, key: bytes, nbytes: int = 2 * PAGE + 17) -> bytes:
+        status, entry = self.cpu.reserve((SPACE, key), "fp", nbytes, owner=1)
+        assert status is Status.OK, status
+        payload = os.urandom(nbytes)
+        pos = 0
+        for offset, length in self.cpu.segments(entry):
+            self.arena.view[offset:offset + length] = payload[pos:pos + length]
+            pos += length
+        self.cpu.commit(entry, xxhash.xxh3_128_digest(payload))
+        self.chain.after_commit(entry)
+        self.settle()
+        return payload
+
+    def read_arena(self, key: bytes) -> bytes:
+        """A GET's copy out of the arena, counted as a read (admission filter)."""
+        status, tier, entry = self.chain.lookup((SPACE, key), "fp")
+        assert (status, tier) == (Status.OK, Tier.CPU)
+        data = b"".join(bytes(self.arena.view[o:o + n]) for o, n in self.cpu.segments(entry))
+        self.chain.after_read(entry)
+        self.settle()
+        return data
+
+    def evict_all(self) -> None:
+        self.cpu.evict(self.cpu.num_pages)
+        self.settle()
+
+    def settle(self) -> None:
+        """What the daemon's loop does: drain every I/O pool of the chain until all is done."""
+        self.chain.flush()
+        engines = self.chain.engines
+        assert len(engines) == 2, "the remote's jobs do not run on a pool of their own"
+        while any(e.in_flight for e in engines):
+            select.select([e.wake_fd for e in engines], [], [], 10)
+            for engine in engines:
+                for job, result, error in engine.completions():
+                    self.chain.on_io_done(job, result, error)
+
+    def check(self, key: bytes) -> None:
+        """What a LOOKUP does for a key no tier knows: one batched existence check."""
+        answered = []
+        if self.chain.check([(SPACE, key)], "fp", lambda: answered.append(True)):
+            self.settle()
+            assert answered == [True]
+
+    def promote(self, key: bytes, nbytes: int) -> tuple[bool, bytes]:
+        """What a GET does for a hit below: poisoned arena pages, filled by the chain."""
+        status, tier, source = self.chain.lookup((SPACE, key), "fp")
+        assert status is Status.OK and tier is not Tier.CPU, (status, tier)
+        status, target = self.cpu.reserve((SPACE, key), "fp", nbytes, owner=0)
+        assert status is Status.OK
+        for offset, length in self.cpu.segments(target):
+            self.arena.view[offset:offset + length] = b"\xa5" * length  # poison
+        outcome = []
+        self.chain.promote(tier, source, target, lambda ok, why: outcome.append(ok))
+        self.settle()
+        if not outcome[0]:
+            return False, b""
+        return True, self.read_arena(key)
+
+    def metric(self, name: str, **labels) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    def invariants(self) -> None:
+        self.cpu.check_invariants()
+        self.chain.check_invariants()
+
+    def close(self) -> None:
+        self.engine.close()
+        self.chain.close()
+        self.arena.close(unlink=True)
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def build(nvme_policy=PublishPolicy(EVICT), remote_policy=PublishPolicy(COMMIT), nvme=True):
+        made.append(Stack(tmp_path / str(len(made)), nvme_policy, remote_policy, nvme))
+        return made[-1]
+
+    yield build
+    for stack in made:
+        stack.close()
+
+
+def test_a_chunk_only_the_third_tier_holds_is_found_by_a_check_and_promoted(make):
+    s = make()
+    payload = s.put(b"deep")  # on-commit: published to the remote at once
+    assert ("stored", "remote", b"deep") in s.events.log
+    s.evict_all()  # write-back: demoted to NVMe, then out of the arena
+    assert ("stored", "nvme", b"deep") in s.events.log
+    assert s.chain.lookup((SPACE, b"deep"), "fp")[1] is Tier.NVME
+    assert s.chain.delete((SPACE, b"deep")) is Status.OK  # from every tier...
+    s.settle()
+    s.put(b"deep2", len(payload))
+    s.evict_all()
+    s.nvme.delete((SPACE, b"deep2"))  # ...now only the remote holds deep2
+    s.remote.forget()  # a node that never saw it: the loop knows nothing about the key
+    assert s.chain.lookup((SPACE, b"deep2"), "fp")[0] is Status.MISS
+    s.check(b"deep2")
+    assert s.remote.exists_calls == 1
+    status, tier, _ = s.chain.lookup((SPACE, b"deep2"), "fp")
+    assert (status, tier) == (Status.OK, Tier.REMOTE)
+    ok, data = s.promote(b"deep2", len(payload))
+    assert ok and len(data) == len(payload)
+    assert s.metric("kvtierd_bytes_total", direction="promote", tier="remote") == len(payload)
+    assert ("stored", "cpu", b"deep2") in s.events.log
+    s.invariants()
+
+
+def test_promotion_from_the_remote_is_byte_exact(make):
+    s = make(nvme=False)
+    payload = s.put(b"k", 3 * PAGE + 5)
+    s.evict_all()  # already on the remote (on-commit): leaves the arena without a write
+    assert s.metric("kvtierd_demotions_total") == 0
+    assert (SPACE, b"k") not in s.cpu.index
+    ok, data = s.promote(b"k", len(payload))
+    assert ok and data == payload
+    s.invariants()
+
+
+def test_on_evict_publishes_only_what_leaves_the_tiers_above(make):
+    s = make(remote_policy=PublishPolicy(EVICT))
+    s.put(b"a")
+    assert not any(t == "remote" for _, t, _ in s.events.log), "on-evict published at commit"
+    s.evict_all()
+    assert s.chain.lookup((SPACE, b"a"), "fp")[1] is Tier.NVME  # NVMe took it, the remote not
+    assert s.remote.stats()["chunks"] == 0
+    s.chain.trip(s.chain.links[0], OSError("test: NVMe circuit opened"))
+    s.put(b"b")
+    s.evict_all()  # NVMe skipped: what leaves the arena goes to the remote
+    assert s.remote.stats()["chunks"] == 1 and s.nvme.peek((SPACE, b"b")) is None
+    assert s.metric("kvtierd_bytes_total", direction="demote", tier="remote") > 0
+    s.invariants()
+
+
+def test_on_commit_publishes_every_committed_chunk(make):
+    s = make()
+    for key in (b"x", b"y", b"z"):
+        s.put(key)
+    assert s.remote.stats()["chunks"] == 3 and s.nvme.stats()["chunks"] == 0
+    assert s.metric("kvtierd_bytes_total", direction="write_through", tier="remote") > 0
+    s.invariants()
+
+
+def test_admission_threshold_publishes_after_n_reads(make):
+    s = make(remote_policy=PublishPolicy(COMMIT, after_reads=2))
+    payload = s.put(b"hot")
+    s.put(b"cold")
+    assert s.remote.stats()["chunks"] == 0
+    assert s.read_arena(b"hot") == payload
+    assert s.remote.stats()["chunks"] == 0, "published before its second read"
+    s.read_arena(b"hot")
+    s.read_arena(b"hot")  # a third read publishes nothing more
+    assert s.remote.stats()["chunks"] == 1 and s.remote.peek((SPACE, b"hot")) is not None
+    s.invariants()
+
+
+def test_on_evict_admission_drops_chunks_read_too_rarely(make):
+    s = make(remote_policy=PublishPolicy(EVICT, after_reads=1), nvme=False)
+    s.put(b"never-read")
+    s.put(b"read-once")
+    s.read_arena(b"read-once")
+    s.evict_all()
+    assert s.remote.peek((SPACE, b"read-once")) is not None
+    assert s.remote.stats()["chunks"] == 1
+    assert ("dropped", "cpu", b"never-read") in s.events.log
+    s.invariants()
+
+
+def test_an_unreachable_tier_is_skipped_then_picked_up_again(make, caplog):
+    s = make(nvme=False)
+    payload = s.put(b"r", 2 * PAGE)
+    s.evict_all()
+    s.remote.cut()  # the "master" is down
+    with caplog.at_level(logging.WARNING, logger="kvtierd.server.chain"):
+        ok, _ = s.promote(b"r", len(payload))
+    assert not ok, "a read from an unreachable tier served something"
+    assert "remote tier unavailable" in caplog.text
+    assert s.metric("kvtierd_tier_available", tier="remote") == 0
+    assert s.metric("kvtierd_tier_unavailable_total", tier="remote") == 1
+    assert s.metric("kvtierd_integrity_failures_total", tier="remote") == 0
+    # skipped by lookups and writes while the circuit is open; the copy is kept, not dropped
+    assert s.chain.lookup((SPACE, b"r"), "fp")[0] is Status.MISS
+    s.put(b"local-only")
+    assert s.remote.peek((SPACE, b"local-only")) is None
+    assert s.cpu.lookup((SPACE, b"local-only"), "fp")[1] is not None  # the arena keeps serving
+    s.remote.heal()
+    s.now[0] += s.remote.retry_s  # the circuit half-opens: the next use decides
+    with caplog.at_level(logging.INFO, logger="kvtierd.server.chain"):
+        assert s.chain.lookup((SPACE, b"r"), "fp")[1] is Tier.REMOTE
+    assert "remote tier is available again" in caplog.text
+    assert s.metric("kvtierd_tier_available", tier="remote") == 1
+    ok, data = s.promote(b"r", len(payload))
+    assert ok and data == payload
+    s.invariants()
+
+
+def test_a_tier_that_says_it_is_unavailable_is_skipped(make):
+    s = make(nvme=False)
+    s.put(b"q")
+    s.remote.says_available = False
+    s.evict_all()
+    s.remote.forget()
+    assert not s.chain.check([(SPACE, b"q")], "fp", lambda: None), "checked a down tier"
+    assert s.chain.lookup((SPACE, b"q"), "fp")[0] is Status.MISS
+    s.put(b"q2")
+    assert s.remote.peek((SPACE, b"q2")) is None
+    assert s.metric("kvtierd_tier_unavailable_total", tier="remote") == 1
+    s.invariants()
+
+
+def test_a_corrupt_copy_below_is_a_miss_counted_and_dropped(make):
+    s = make(nvme=False)
+    payload = s.put(b"c", 2 * PAGE)
+    s.evict_all()
+    entry = s.remote.peek((SPACE, b"c"))
+    fd = os.open(s.remote.directory / DATA_NAME, os.O_RDWR)
+    try:  # flip one byte of the stored payload
+        offset = entry.runs[0][0] * PAGE + 100
+        byte = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
+    finally:
+        os.close(fd)
+    ok, _ = s.promote(b"c", len(payload))
+    assert not ok
+    assert s.metric("kvtierd_integrity_failures_total", tier="remote") == 1
+    assert s.remote.peek((SPACE, b"c")) is None and (SPACE, b"c") not in s.cpu.index
+    assert ("dropped", "remote", b"c") in s.events.log
+    s.settle()
+    s.invariants()
+
+
+def test_a_hanging_remote_never_delays_the_nvme_tier(make):
+    s = make(remote_policy=PublishPolicy(COMMIT, after_reads=1))
+    s.put(b"hot")
+    s.put(b"cold")
+    s.remote.hang()  # the remote stops answering: the publish job holds its own thread
+    s.chain.after_read(s.cpu.index[(SPACE, b"hot")])  # admitted: publishing starts, and hangs
+    s.chain.flush()
+    nvme_pool, remote_pool = s.chain.engines
+    assert remote_pool.in_flight == 1
+    assert s.cpu.evict(1) and s.cpu.index[(SPACE, b"cold")].demoting  # "hot" is held
+    s.chain.flush()
+    while nvme_pool.in_flight:  # the demotion completes while the remote still hangs
+        select.select([nvme_pool.wake_fd], [], [], 10)
+        for job, result, error in nvme_pool.completions():
+            s.chain.on_io_done(job, result, error)
+    assert s.nvme.peek((SPACE, b"cold")) is not None and remote_pool.in_flight == 1
+    s.remote.answer()
+    s.settle()
+    assert s.remote.peek((SPACE, b"hot")) is not None
+    s.invariants()
