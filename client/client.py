@@ -57,7 +57,12 @@ class KVTierClient:
         timeout_s: float = 30.0,
         heartbeat_s: float = 5.0,
         token: str = "",
+        piece_bytes: int | None = None,
     ) -> None:
+        if piece_bytes is not None and piece_bytes <= 0:
+            raise ValueError(f"piece_bytes={piece_bytes}; allowed: a positive size, or None for "
+                             "about 8 MiB (pipeline.piece_target)")
+        self._piece_bytes = piece_bytes  # bytes per request; None: pipeline.piece_target
         self.layout = layout
         self.namespace = namespace or layout.namespace
         self._tables = build_page_tables(layout, kv_caches)
@@ -249,10 +254,9 @@ class KVTierClient:
     def _pieces(self, chunks: list[Chunk]) -> list[pipeline.Piece]:
         """The call's chunks as staging pieces (``pipeline.plan``), with the session's limits."""
         total = sum(self.layout.chunk_nbytes(c.group) for c in chunks)
+        target = self._piece_bytes or pipeline.piece_target(total, self.staging_bytes)
         return pipeline.plan(chunks, lambda c: self.layout.chunk_nbytes(c.group),
-                             self.staging_bytes,
-                             pipeline.piece_target(total, self.staging_bytes),
-                             self._limits.get("max_batch", 1024))
+                             self.staging_bytes, target, self._limits.get("max_batch", 1024))
 
     def _depth(self) -> int:
         return max(1, min(pipeline.DEPTH, self._limits.get("max_in_flight_requests",
