@@ -83,6 +83,7 @@ class KVTierClient:
         self._transport = Transport(address, timeout_s)
         self._staging: MemfdStagingBuffer | Any = None  # or a CudaStagingBuffer
         self._limits: dict[str, int] = {}
+        self._events = False
         self.session_id: int | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-client")
         self._last_call = time.monotonic()
@@ -219,6 +220,7 @@ class KVTierClient:
             raise
         self._staging = staging
         self._limits = header["limits"]
+        self._events = bool(header.get("events"))  # the daemon publishes KV events
         self.session_id = header["session"]
 
     def _staging_tensor(self) -> torch.Tensor:
@@ -280,24 +282,35 @@ class KVTierClient:
         else:  # returns once the blocks hold the bytes: the load's future may resolve
             self._cuda.scatter(units, self._staging, ready)
 
-    def _pipelined(self, op: Op, chunks: list[Chunk], before: Any, after: Any) -> list[bool]:
-        """``chunks`` through ``pipeline.run`` as ``op`` requests; all of it again, once, in a
-        new session if the daemon forgot ours (a store re-puts, a load re-reads: both are safe)."""
+    def _pipelined(self, op: Op, chunks: list[Chunk], before: Any, after: Any,
+                   fields: Any = None) -> list[bool]:
+        """``chunks`` through ``pipeline.run`` as ``op`` requests (``fields(piece)``: more request
+        fields); all of it again, once, in a new session if the daemon forgot ours (a store
+        re-puts, a load re-reads: both are safe)."""
         if not chunks:
             return []
 
+        def send(piece: pipeline.Piece) -> int:
+            more = fields(piece) if fields is not None else {}
+            return self._transport.send(op, items=self._items(piece), **more)
+
         def attempt() -> list[bool]:
             return pipeline.run(
-                self._pieces(chunks), self._depth(), before,
-                lambda piece: self._transport.send(op, items=self._items(piece)),
+                self._pieces(chunks), self._depth(), before, send,
                 lambda request_id: self._transport.receive(op, request_id)[0], after)
 
         return self._retrying(attempt)
 
     def _store(self, chunks: list[Chunk], ready: Any = None) -> list[bool]:
+        def fields(piece: pipeline.Piece) -> dict[str, Any]:
+            if not self._events:
+                return {}
+            # the daemon announces stores: say which engine blocks each covers
+            return {"blocks": [_blocks(c) for c, _ in piece.slots]}
+
         return self._pipelined(
             Op.PUT, chunks, lambda piece: self._gather(self._units(piece), ready),
-            lambda piece, header: [status in STORED for status in header["results"]])
+            lambda piece, header: [status in STORED for status in header["results"]], fields)
 
     def _load(self, chunks: list[Chunk], ready: Any = None) -> list[bool]:
         def scatter_hits(piece: pipeline.Piece, header: dict) -> list[bool]:
@@ -350,3 +363,11 @@ class KVTierClient:
         except (DaemonUnavailable, DaemonError) as exc:
             log.warning("kvtierd heartbeat failed: %s", exc)
             self._abandon_session()
+
+
+def _blocks(chunk: Chunk) -> dict[str, Any] | None:
+    """A chunk's entry of PUT's ``blocks`` (kvtierd.event_blocks): hashes only, no token ids (they
+    would multiply the header; routers learn tokens from the engine's own events)."""
+    if not chunk.hashes:
+        return None
+    return {"hashes": list(chunk.hashes), "parent": chunk.parent, "group": chunk.group}

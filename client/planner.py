@@ -21,7 +21,7 @@ last token, so equal prefixes give equal keys in every process, and the groups n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .hashing import prefix_hashes
@@ -45,6 +45,11 @@ class Chunk:
     token_start: int  # first token covered (inclusive)
     token_end: int  # end of the tokens covered (exclusive)
     nbytes: int  # payload bytes: blocks_per_chunk * the sum of the group's per-layer page bytes
+    # For KV events (the daemon announces stored chunks to KV-aware routers): the engine's block
+    # hashes the chunk covers, in token order, and the hash before its first block (None at the
+    # start of a prompt). Sent as PUT's ``blocks`` field only when the daemon publishes events.
+    hashes: tuple[bytes, ...] = field(default=(), compare=False)
+    parent: bytes | None = field(default=None, compare=False)
 
 
 def window_chunks(group: KVGroup, tokens_per_chunk: int) -> int | None:
@@ -101,8 +106,11 @@ def plan(
                 raise ValueError(f"group {g}: block id {min(blocks)} in chunk {c}; "
                                  "allowed: ids >= 0, or -1 for a missing block")
             end = (c + 1) * tpc
-            key = prefix + hashes[end // layout.tokens_per_hash - 1]
-            chunks.append(Chunk(key, g, blocks, c * tpc, end, nbytes))
+            first_hash, last_hash = c * tpc // layout.tokens_per_hash, end // layout.tokens_per_hash
+            key = prefix + hashes[last_hash - 1]
+            chunks.append(Chunk(key, g, blocks, c * tpc, end, nbytes,
+                                tuple(hashes[first_hash:last_hash]),
+                                hashes[first_hash - 1] if first_hash else None))
     return chunks
 
 

@@ -38,9 +38,11 @@ _CONFIG_FLAGS = (
     ("--nvme-dir", "nvme_dir", "directory of the NVMe tier"),
     ("--nvme-bytes", "nvme_bytes", "capacity of the NVMe tier, e.g. 100GiB; 0 turns it off"),
     ("--nvme-write-policy", "nvme_write_policy", "write-back (default) or write-through"),
-    ("--io-threads", "io_threads", "threads doing NVMe I/O"),
+    ("--io-threads", "io_threads", "threads running NVMe jobs"),
+    ("--io-queue-depth", "io_queue_depth", "NVMe reads/writes in flight at most"),
     ("--socket-mode", "socket_mode", "octal mode of the ipc and handshake sockets, e.g. 0660"),
     ("--handshake-socket", "handshake_socket", "path of the staging handshake socket"),
+    ("--events-addr", "events_addr", "KV-event PUB socket to bind: tcp://HOST:PORT, ipc://PATH"),
 )
 # Boolean keys are flags with a --no- form (argparse.BooleanOptionalAction).
 _BOOL_FLAGS = (
@@ -95,7 +97,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _resolve(args: argparse.Namespace, path: str | None = None) -> LoadedConfig:
-    return resolve_config(path if path is not None else args.config, overrides=_overrides(args))
+    """``check-config`` names its file positionally (maybe none); the other commands take
+    ``--config``."""
+    if path is None:
+        path = getattr(args, "config", None)
+    return resolve_config(path, overrides=_overrides(args))
 
 
 def _load(args: argparse.Namespace) -> Config:

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvtierd.config_error import ConfigError
+from kvtierd.config_events import validate_events
+from kvtierd.config_remote import RemoteConfig, parse_remote
 from kvtierd.config_tenants import TenantConfig, parse_tenants
 from kvtierd.paths import default_runtime_dir, default_socket
 from kvtierd.sizes import parse_size
@@ -81,8 +83,13 @@ class Config:
     remote_publish: str = "on-commit"
     # Admission filter of the remote tier, as nvme_publish_after_reads.
     remote_publish_after_reads: int = 0
-    # Threads doing NVMe reads/writes (bounded queue depth).
-    io_threads: int = 4
+    # Threads running NVMe jobs (a demotion batch: writes + fdatasync + index; a promotion: read +
+    # checksum). Promotions of chunks <= 2 MiB are one read each: as many threads as
+    # io_queue_depth keep the queue full.
+    io_threads: int = 8
+    # Reads/writes in flight on the NVMe data file at most, across all jobs; each is <= 2 MiB (a
+    # larger chunk is cut into pieces), so one job keeps several requests at the device.
+    io_queue_depth: int = 8
     # Test-only: a JSON file naming errnos to inject into NVMe ops ({"write": "ENOSPC"}); empty = off.
     nvme_fault_file: str = ""
     # Register the arena with cudaHostRegister (in the background) when CUDA is present, so that
@@ -154,6 +161,29 @@ class Config:
     ticket_timeout_s: float = 10.0
     # Python logging level name.
     log_level: str = "INFO"
+    # KV events (kvtierd.events, README "KV events"): ZeroMQ endpoint the PUB socket binds,
+    # tcp://HOST:PORT or ipc://PATH, publishing stores and removals in vLLM's KV-event format for
+    # KV-aware routers. Empty: off.
+    events_addr: str = ""
+    # Endpoint of the replay ROUTER (vLLM's replay protocol: missed batches by sequence number);
+    # empty: no replay.
+    events_replay_addr: str = ""
+    # Topic of every batch; {node} and {model} (the namespace's model id) are filled in. The
+    # default is the kv@<pod>@<model> form llm-d's KV-cache manager parses.
+    events_topic: str = "kv@{node}@{model}"
+    # {node} of the topic; empty: the host name.
+    events_node: str = ""
+    # Batches waiting for the publisher thread at most; a fuller queue drops (counted).
+    events_max_queued_batches: int = 10000
+    # Batches kept for replay.
+    events_replay_batches: int = 10000
+    # Publish block hashes as uint64 (the hash's last 8 bytes, big-endian), as vLLM does by default
+    # (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), so they match the engines' own events; Dynamo's
+    # relay decodes only ints. Off: the bytes the client sent.
+    events_int_hashes: bool = True
+    # The remote tier on a Mooncake Store ([remote] table of the TOML file only; see
+    # kvtierd.config_remote and README "Across nodes"). None: no remote tier.
+    remote: RemoteConfig | None = None
 
     @property
     def cpu_pages(self) -> int:
@@ -217,7 +247,7 @@ _SIZE_KEYS = {
     "nvme_bytes",
     "tenant_max_bytes",
 }
-_TABLE_KEYS = {"tenants"}  # TOML tables: file only (no env variable or flag can express them)
+_TABLE_KEYS = {"tenants", "remote"}  # TOML tables: file only (no env variable or flag can express them)
 _FIELD_TYPES = {f.name: f.type for f in fields(Config)}
 
 
@@ -225,6 +255,8 @@ def _coerce(key: str, value: Any) -> Any:
     kind = _FIELD_TYPES[key]
     if key == "tenants":
         return parse_tenants(value)
+    if key == "remote":
+        return parse_remote(value)
     try:
         if key in _SIZE_KEYS:
             return parse_size(value)
@@ -289,9 +321,9 @@ def _validate(cfg: Config) -> None:
     if cfg.nvme_bytes and cfg.nvme_bytes < cfg.page_bytes:
         raise ConfigError("nvme_bytes", cfg.nvme_bytes, f"0 (off) or at least page_bytes "
                           f"({cfg.page_bytes})")
-    for key in ("io_threads", "max_batch", "copy_threads", "max_header_bytes", "max_inline_bytes",
-                "max_staging_bytes", "max_connections", "max_sessions", "max_in_flight_requests",
-                "max_inline_reply_bytes"):
+    for key in ("io_threads", "io_queue_depth", "max_batch", "copy_threads", "max_header_bytes",
+                "max_inline_bytes", "max_staging_bytes", "max_connections", "max_sessions",
+                "max_in_flight_requests", "max_inline_reply_bytes"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, getattr(cfg, key), "a positive integer")
     if cfg.max_frame_bytes < max(cfg.max_inline_bytes, cfg.max_header_bytes):
@@ -308,6 +340,7 @@ def _validate(cfg: Config) -> None:
     _validate_socket(cfg)
     _validate_socket_files(cfg)
     _validate_metrics_addr(cfg.metrics_addr)
+    validate_events(cfg)
     import logging
 
     if not isinstance(logging.getLevelName(cfg.log_level.upper()), int):

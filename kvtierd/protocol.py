@@ -20,7 +20,8 @@ appended; a daemon answers an unknown ``v`` with ``UNSUPPORTED_VERSION`` naming 
 Per-op fields (request -> reply):
 
 * HELLO ``namespace: str, world_size: int, rank: int, fingerprint: str, staging: {kind, ...},
-  token?: str, client?: map`` -> ``session: int, page_bytes: int, limits: map, daemon: str``.
+  token?: str, client?: map`` -> ``session: int, page_bytes: int, limits: map, daemon: str,
+  events: bool`` (``events``: the daemon publishes KV events, so PUT's ``blocks`` is worth sending).
   ``world_size`` is 1..4096 and ``0 <= rank < world_size``; strings and the free-form ``client``
   map are bounded (README "Protocol"). The session's *tenant* is never a field: the daemon assigns
   it from the token (a configured tenant's) or the peer's credentials, which the ticket carries.
@@ -42,6 +43,11 @@ Per-op fields (request -> reply):
   means the key was already stored by the same layout and nothing was copied; ``QUOTA_EXCEEDED``
   that the tenant's CPU-tier quota is full of its own chunks that cannot be evicted).
   ``0 <= offset <= 2**62`` and ``1 <= nbytes <= 2**62`` (and inside the staging buffer).
+  Optional ``blocks: [entry | nil, ...]``, one per item: the engine block hashes (and optionally
+  parent hash, token ids, block size, group) the chunk covers, for the KV events announcing it
+  (``kvtierd.event_blocks``; a bad entry fails its item with ``BAD_REQUEST``). Optional, so no
+  version change: a daemon before it ignores the field, and a client sends it only when HELLO
+  said ``events``.
 * GET ``items: [[key, offset, nbytes], ...]`` -> ``results: [int]`` (``OK`` or why it is a miss).
 * DELETE ``keys: [bytes]`` -> ``results: [int]``.
 * STATS ``token?: str`` -> ``stats: map`` (tiers, chunks, counters; what ``kvtierd stats``

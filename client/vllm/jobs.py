@@ -38,8 +38,11 @@ def job_chunks(layout: KVLayout, keys: Sequence[bytes], block_ids: Sequence[int]
         tpc = layout.tokens_per_chunk[g]
         start = (first - skip) // bpc  # the request's chunk index of the job's first chunk
         for c, key in enumerate(keys[key_pos:key_pos + count]):
+            # vLLM's OffloadKey is the chunk's last block hash + its group (4 bytes): the hash
+            # is what vLLM's own events name the chunk by (kvtierd announces it with it)
             chunks.append(Chunk(bytes(key), g, tuple(slots[c * bpc:(c + 1) * bpc]),
-                                (start + c) * tpc, (start + c + 1) * tpc, layout.chunk_nbytes(g)))
+                                (start + c) * tpc, (start + c + 1) * tpc, layout.chunk_nbytes(g),
+                                (bytes(key)[:-4],)))
         pos += size
         key_pos += count
     if pos != len(block_ids) or key_pos != len(keys):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
+    OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
@@ -41,6 +42,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtierd.protocol import Tier
 
 from ..index import KVTierIndex
+from .events import EventFeed
 from .geometry import check_against_config, layout_path, read_published
 from .lookups import StepLookups
 from .settings import KVTierSettings
@@ -73,6 +75,9 @@ class KVTierOffloadingManager(OffloadingManager):
         self._next_attach = 0.0
         self._lookups = StepLookups(self._ask)
         self._unavailable = 0  # lookups answered "miss" because the daemon was unavailable
+        # vLLM's KV events (take_events): only when the engine publishes them, else nobody drains
+        self._events = (EventFeed(settings.events_address)
+                        if getattr(config, "enable_kv_cache_events", False) else None)
 
     @property
     def lock(self) -> threading.Lock:
@@ -171,6 +176,16 @@ class KVTierOffloadingManager(OffloadingManager):
         return PrepareStoreOutput(keys_to_store=[OffloadKey(k) for k in new],
                                   store_spec=KVTierLoadStoreSpec(new), evicted_keys=[])
 
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        # the daemon committed (or refused) the chunks already; this only feeds vLLM's KV events
+        if success and self._events is not None:
+            self._events.stored(bytes(k) for k in keys)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """vLLM publishes these through the engine's own KV-event publisher (``events``)."""
+        return self._events.take() if self._events is not None else ()
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
@@ -211,6 +226,8 @@ class KVTierOffloadingManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self._lookups.close()
+        if self._events is not None:
+            self._events.close()
         for index in self._indexes or ():
             index.close()
         self._indexes = None

@@ -28,6 +28,9 @@ class KVTierSettings:
     model: str = ""  # kvtierd_model: model id for the namespace; default: vLLM's model name
     layout_dir: str = "/dev/shm"  # kvtierd_layout_dir: where workers publish their layout
     staging_bytes: int = 0  # kvtierd_staging_bytes: worker staging buffer; 0 = client default
+    # kvtierd_events_address: the daemon's events_addr (tcp:// or ipc://); with vLLM's KV events
+    # on, the manager reads it to report demotions and removals of its stores (client.vllm.events)
+    events_address: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> KVTierSettings:
@@ -55,6 +58,9 @@ class KVTierSettings:
                                  f"{'> 0' if name == 'timeout_s' else '>= 0'}")
         if self.staging_bytes < 0:
             raise ValueError(f"kvtierd_staging_bytes={self.staging_bytes}; allowed: >= 0")
+        if self.events_address and not self.events_address.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"kvtierd_events_address={self.events_address!r}; allowed: "
+                             "ipc://PATH, tcp://HOST:PORT (the daemon's events_addr) or empty")
         if not self.layout_dir:
             raise ValueError("kvtierd_layout_dir is empty; allowed: a directory path")
 

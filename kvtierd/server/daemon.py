@@ -27,6 +27,8 @@ import zmq
 from kvtierd import __version__, cuda_health
 from kvtierd.config import Config
 from kvtierd.copy.engine import CopyEngine
+from kvtierd.events import (
+    NO_EVENTS, ChainEventsAdapter, EventsBindError, EventsCollector, NoEvents, make_events)
 from kvtierd.ghost import GhostCaches, GhostCollector
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.notify import Notifier
@@ -46,6 +48,8 @@ from kvtierd.server.connections import (
 from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
 from kvtierd.server.handshake import HandshakeServer
+from kvtierd.remote import build_remote_tier
+from kvtierd.remote.mooncake import RemoteSetupError
 from kvtierd.server.chain import TierChain
 from kvtierd.server.probes import ProbeSchedule
 from kvtierd.server.sessions import SessionTable
@@ -91,6 +95,7 @@ class Daemon:
         # Before anything opens files: every connection costs a descriptor (see connections).
         self.max_connections = connection_limit(cfg.max_connections, raise_nofile_limit())
         self.ctx: zmq.Context | None = None
+        self.events: NoEvents = NO_EVENTS
         self.socket: zmq.Socket | None = None
         self.guard: ConnectionGuard | None = None
         self.tickets = TicketBook(cfg.ticket_timeout_s, MAX_TICKETS)
@@ -104,6 +109,7 @@ class Daemon:
             # Binds first: a taken port or an unbindable path ends the start before the arena.
             self.ctx, self.socket, self.monitor = bind_router(cfg, MONITOR_EVENTS)
             bind_handshake(self.handshake, cfg)
+            self.events = self._bind_events(cfg)  # kv-events hook: bound before the arena
             self.metrics_address = serve_metrics(self.metrics, cfg.metrics_addr)
             prepare_arena_room(cfg)
             self.notifier.status(f"mapping the CPU tier ({cfg.cpu_bytes} bytes)")
@@ -115,6 +121,7 @@ class Daemon:
         except BaseException as exc:
             self._start_failed(exc)
             self.handshake.close()
+            self.events.close()
             self._close_sockets()
             self.metrics.close()
             raise
@@ -128,10 +135,18 @@ class Daemon:
         except BaseException as exc:
             self._start_failed(exc)
             self.handshake.close()
+            self.events.close()
             self._close_sockets()
             self.metrics.close()
             self.arena.close(unlink=not cfg.cpu_persistent)
             raise
+
+    @staticmethod
+    def _bind_events(cfg: Config) -> NoEvents:
+        try:
+            return make_events(cfg)
+        except EventsBindError as exc:
+            raise StartupError(exc.key, exc.value, exc.reason) from None
 
     def _start_failed(self, exc: BaseException) -> None:
         """systemd shows the reason in ``systemctl status`` (STATUS=), as the log does."""
@@ -175,6 +190,7 @@ class Daemon:
         self.handlers.ghosts = self.data.ghosts = GhostCaches(tiers, cfg.page_bytes)
         self.metrics.registry.register(GhostCollector(self.handlers.ghosts))
         self.metrics.prime(name for name, _ in tiers)
+        self._wire_events()
         self._dispatch: dict[Op, Callable[..., Any]] = {
             Op.PING: self.handlers.ping,
             Op.STATS: self.handlers.stats,
@@ -187,6 +203,16 @@ class Daemon:
         }
         self._stop = threading.Event()
         self.probes = ProbeSchedule()
+
+    def _wire_events(self) -> None:
+        """kv-events hooks: PUT commits with their ``blocks`` (DataOps), every store and drop of
+        every tier (the chain's ChainEvents), every removal from the arena (CpuTier.on_remove);
+        all no-ops without events_addr."""
+        self.data.events = self.events
+        if self.events.enabled:
+            self.mover.events = ChainEventsAdapter(self.events)
+        self.tier.on_remove = lambda entry: self.events.removed(entry.ikey, "cpu")
+        self.metrics.registry.register(EventsCollector(self.events))
 
     def _quota_pages(self, tenant: str) -> int:
         """A tenant's quota in whole pages (rounded down, never past max_bytes), at least one:
@@ -216,6 +242,12 @@ class Daemon:
                 when = (Publish.ON_COMMIT if cfg.nvme_write_policy == "write-through"
                         else Publish.ON_EVICT)
                 tiers.append((nvme, PublishPolicy(when, cfg.nvme_publish_after_reads)))
+            try:
+                remote = build_remote_tier(cfg, self.arena)
+            except RemoteSetupError as exc:
+                raise StartupError("remote.backend", cfg.remote.backend, str(exc)) from None
+            if remote is not None:
+                tiers.append((remote, remote_policy(cfg)))
         except BaseException:
             for tier, _ in tiers:
                 tier.close()
@@ -232,7 +264,8 @@ class Daemon:
             log.warning("NVMe fault injection is ON (%s): a test setting", fault_file)
         return NvmeLowerTier(cfg.resolved_nvme_dir(), cfg.nvme_bytes, cfg.page_bytes,
                              policy=cfg.eviction_policy, fault_file=fault_file,
-                             instance=cfg.instance_id, dir_mode=cfg.state_dir_bits)
+                             instance=cfg.instance_id, dir_mode=cfg.state_dir_bits,
+                             queue_depth=cfg.io_queue_depth)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -244,6 +277,9 @@ class Daemon:
                 signal.signal(signal.SIGTERM, self.request_stop)
                 signal.signal(signal.SIGINT, self.request_stop)
             self._start_threads()
+            if self.events.enabled:
+                self.events.start()
+                self.events.cleared()  # what an earlier run announced is void
             log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes)",
                      __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
                      self.cfg.page_bytes)
@@ -313,6 +349,7 @@ class Daemon:
             if self.socket in events:
                 self._drain_requests()
             self.mover.flush()  # writes and deletes queued by what was just handled
+            self.events.flush()  # kv-events hook: this iteration's events, one batch per topic
             if cuda_health.any_lost():  # a sticky CUDA error: stop serving, exit for a restart
                 self._stop.set()
                 break
@@ -395,6 +432,8 @@ class Daemon:
         self.engine.close()
         self.io_engine.close()
         self.mover.close()
+        self.events.cleared()  # kv-events hook: what it announced goes with it (or is unknown)
+        self.events.close()
         self._close_sockets()
         self.metrics.close()
         if self.tier.db is not None:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 from kvtierd.config import Config
 from kvtierd.copy import memcpy
 from kvtierd.cuda_health import CudaContextLost
+from kvtierd.events import NO_EVENTS, NoEvents
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
@@ -57,6 +58,7 @@ class Batch:
     parked: list[tuple[int, Any, Any, Any]] = field(default_factory=list)  # PUT items awaiting space
     frames: list = field(default_factory=list)  # inline PUT payloads
     inline_bytes: int = 0  # of the session's max_inline_reply_bytes, what this GET's reply holds
+    blocks: list | None = None  # kv-events: PUT items' parsed ``blocks`` (kvtierd.event_blocks)
 
     @property
     def done(self) -> bool:
@@ -77,6 +79,7 @@ class DataOps:
         self.accounting = accounting
         self.ghosts = GhostCaches([], cfg.page_bytes)  # the daemon sets the real ones
         self.send = send
+        self.events: NoEvents = NO_EVENTS  # kv-events hook: set by the daemon
         self.waiting: deque[Batch] = deque()  # PUTs with parked items, oldest first
         self._retrying = False
         mover.on_space = self.retry_parked
@@ -87,9 +90,11 @@ class DataOps:
         batch = self._batch(session, Op.PUT, header)
         self._check_frames(session, items, frames)
         batch.frames = frames
+        batch.blocks = requests.blocks(header, len(items))  # kv-events: what each item covers
         jobs: list[tuple[int, ChunkEntry, Any]] = []
         for i, (key, offset, nbytes) in enumerate(items):
-            problem = self._item_problem(session, key, offset, nbytes, frames, i)
+            problem = (self._item_problem(session, key, offset, nbytes, frames, i)
+                       or requests.block_problem(batch.blocks, i))
             if problem is not None:
                 self._fail(batch, i, *problem)
                 continue
@@ -431,6 +436,7 @@ class DataOps:
                            "the session ended before the copy completed; not stored")
             return
         self.tier.commit(entry, digest)
+        self.events.stored(entry.ikey, "cpu", batch.blocks[index] if batch.blocks else None)
         self.ghosts.insert(entry.ikey, entry.nbytes)
         self.metrics.bytes.labels("in", "cpu").inc(entry.nbytes)
         self.mover.after_commit(entry)

@@ -100,6 +100,7 @@ class OpHandlers:
             "page_bytes": self.cfg.page_bytes,
             "daemon": __version__,
             "limits": self.limits(),
+            "events": bool(self.cfg.events_addr),  # PUT's ``blocks`` is worth sending
         }
 
     def _authorise(self, header: dict) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtierd import event_blocks
 from kvtierd.protocol import MAX_KEY_BYTES, ProtocolError, Status
 
 Item = tuple[Any, Any, Any]  # (key, offset, nbytes) as received; checked per item
@@ -144,3 +145,21 @@ def offset_problem(offset: Any) -> tuple[Status, str] | None:
     if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= MAX_OFFSET:
         return Status.BAD_REQUEST, f"offset {offset!r:.40} must be an int in 0..{MAX_OFFSET}"
     return None
+
+
+def blocks(header: dict, count: int) -> list | None:
+    """PUT's optional ``blocks`` (kvtierd.event_blocks): one entry per item, or absent. Each entry
+    is parsed to a ``BlockInfo``, None, or the reason it is refused (a str: its item fails)."""
+    if header.get("blocks") is None:
+        return None
+    values = field(header, "blocks", list, f"a list of {count} entries (one per item) or nil")
+    if len(values) != count:
+        raise ProtocolError(Status.BAD_REQUEST, f"field 'blocks' has {len(values)} entries; "
+                            f"allowed: one per item ({count})")
+    return [info if not why else why for info, why in map(event_blocks.parse, values)]
+
+
+def block_problem(parsed: list | None, i: int) -> tuple[Status, str] | None:
+    if parsed is None or not isinstance(parsed[i], str):
+        return None
+    return Status.BAD_REQUEST, f"blocks[{i}] {parsed[i]}"

@@ -61,6 +61,9 @@ class CpuTier(TierIndex):
         self.high_pages = int(self.num_pages * high_watermark)
         self.low_pages = int(self.num_pages * low_watermark)
         self.on_evict = on_evict
+        # kv-events hook: called for every chunk that leaves the index (evicted, demoted, deleted,
+        # dropped after a failed check); set by the daemon.
+        self.on_remove: Callable[[ChunkEntry], None] = lambda entry: None
         self.demoter: Callable[[ChunkEntry], bool] | None = None
         # With a persistent arena: its crash-safe index (rows written at commit, deleted before
         # pages are reused). None: a private arena that dies with the process.
@@ -262,6 +265,7 @@ class CpuTier(TierIndex):
         if self.db is not None:  # the row goes before its pages can be reused
             self.db.delete([entry.ikey])
         del self.index[entry.ikey]
+        self.on_remove(entry)  # kv-events hook
         self.policy.remove(entry.ikey)
         self.ready_chunks -= 1
         self.ready_pages -= entry.pages

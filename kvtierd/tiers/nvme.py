@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Callable, Hashable
 
@@ -31,6 +32,7 @@ from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
 from kvtierd.tiers.nvme_file import (
     DataFile,
     FaultInjector,
+    IoQueue,
     claim_directory,
     lock_directory,
     make_state_dir,
@@ -41,6 +43,10 @@ log = logging.getLogger(__name__)
 
 INDEX_NAME = "index.sqlite"
 RECOVERY_LOG_EVERY = 10000
+#: Largest single read or write: a chunk's runs are cut into pieces of this size that go to the
+#: device at once (IoQueue), so one big chunk keeps several requests in flight, not one. It also
+#: keeps every preadv/pwritev below IOV_MAX (1024) views: at most 512 pages of 4 KiB.
+IO_PIECE_BYTES = 2 * 1024**2
 
 
 class IntegrityError(Exception):
@@ -61,10 +67,12 @@ class NvmeTier(TierIndex):
         on_status: Callable[[str], None] | None = None,
         instance: str = "",
         dir_mode: int = 0o700,
+        queue_depth: int = 8,
     ) -> None:
         """``instance``: the owning daemon's instance id; another instance's directory is refused
         (claim_directory) instead of reset. Empty: no ownership check (tests, tools).
-        ``dir_mode``: the directory's mode (state_dir_mode)."""
+        ``dir_mode``: the directory's mode (state_dir_mode). ``queue_depth``: reads and writes
+        in flight on the data file at most (io_queue_depth)."""
         make_state_dir(directory, dir_mode)
         self.directory = directory
         self.page_bytes = page_bytes
@@ -83,6 +91,8 @@ class NvmeTier(TierIndex):
             FaultInjector(data, fault_file) if fault_file is not None else data
         )
         self.num_pages = data.num_pages
+        self.io = IoQueue(queue_depth)
+        self._piece_pages = max(1, IO_PIECE_BYTES // page_bytes)
         self.capacity_bytes = self.num_pages * page_bytes
         self.db = ChunkIndexDB(
             directory / INDEX_NAME,
@@ -185,14 +195,15 @@ class NvmeTier(TierIndex):
 
     def write_job(self, items: list[tuple[ChunkEntry, list[Run]]], arena: Arena
                   ) -> Callable[[], int]:
-        """Copy each entry's source arena pages into its pages, make them all durable with one
-        ``fdatasync``, then index them in one transaction. All or nothing per job."""
+        """Copy each entry's source arena pages into its pages (every piece of every chunk in
+        flight at once, up to the queue depth), make them all durable with one ``fdatasync``, then
+        index them in one transaction. All or nothing per job."""
         rows = [IndexRow.of(e.ikey, e.fingerprint, e.nbytes, e.checksum, e.runs) for e, _ in items]
 
         def job() -> int:
-            for entry, src_runs in items:
-                for page, views in _transfers(entry.runs, src_runs, arena, self.page_bytes):
-                    self.file.write(page, views)
+            self.io.run([partial(self.file.write, page, views) for entry, src_runs in items
+                         for page, views in _transfers(entry.runs, src_runs, arena,
+                                                       self.page_bytes, self._piece_pages)])
             self.file.sync()  # data durable before the rows that name it
             self.db.insert(rows)
             return sum(e.pages for e, _ in items) * self.page_bytes
@@ -215,11 +226,13 @@ class NvmeTier(TierIndex):
     # -- reads (promotion) -------------------------------------------------------------------------
     def read_job(self, entry: ChunkEntry, arena: Arena, dst_runs: list[Run],
                  dst_segments: list[tuple[int, int]]) -> Callable[[], int]:
-        """Read the entry's pages into ``dst_runs`` of the arena and verify the checksum."""
+        """Read the entry's pages into ``dst_runs`` of the arena (its pieces in flight at once),
+        then verify the checksum."""
 
         def job() -> int:
-            for page, views in _transfers(entry.runs, dst_runs, arena, self.page_bytes):
-                self.file.read(page, views)
+            self.io.run([partial(self.file.read, page, views) for page, views in
+                         _transfers(entry.runs, dst_runs, arena, self.page_bytes,
+                                    self._piece_pages)])
             if memcpy.checksum(arena.view, dst_segments) != entry.checksum:
                 raise IntegrityError(f"chunk {entry.ikey!r}: checksum mismatch on NVMe read")
             return entry.nbytes
@@ -316,20 +329,25 @@ class NvmeTier(TierIndex):
         assert self.ready_pages == sum(self.index[k].pages for k in ready), "NVMe pages drifted"
 
     def close(self) -> None:
+        self.io.close()
         self.file.close()
         self.db.close()
         os.close(self._lock_fd)
 
 
-def _transfers(file_runs: list[Run], arena_runs: list[Run], arena: Arena, page_bytes: int):
+def _transfers(file_runs: list[Run], arena_runs: list[Run], arena: Arena, page_bytes: int,
+               piece_pages: int):
     """Pair file pages with arena pages (the i-th page of one with the i-th of the other): yields
-    ``(first file page, [arena views])`` per file run, for one preadv/pwritev each."""
+    ``(first file page, [arena views])`` per piece of at most ``piece_pages`` contiguous file
+    pages, for one preadv/pwritev each."""
     arena_pages = [p for start, count in arena_runs for p in range(start, start + count)]
     i = 0
     for start, count in file_runs:
-        views = _merge(arena.view, arena_pages[i:i + count], page_bytes)
+        for first in range(0, count, piece_pages):
+            n = min(piece_pages, count - first)
+            yield start + first, _merge(arena.view, arena_pages[i + first:i + first + n],
+                                        page_bytes)
         i += count
-        yield start, views
 
 
 def _merge(view: memoryview, pages: list[int], page_bytes: int) -> list[memoryview]:

@@ -71,7 +71,7 @@ def test_dashboard_covers_what_operators_watch():
                   "requests by op", "latency p50", "latency p99", "evictions", "demotions",
                   "promotions", "integrity failures", "sessions",
                   "hit ratio if the tier were larger", "lookup misses by reason", "get results",
-                  "time a chunk stays in a tier"):
+                  "time a chunk stays in a tier", "kv events published", "kv events dropped"):
         assert topic in titles, topic
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))

@@ -14,7 +14,7 @@ from helpers.workload import DEPLOY, REPO
 PROM = DEPLOY / "prometheus"
 ALERTS = {"KvtierdDown", "KvtierdTierFull", "KvtierdNvmeEvictionPressure",
           "KvtierdIntegrityFailures", "KvtierdRequestErrors", "KvtierdHitRatioCollapse",
-          "KvtierdRefusing"}
+          "KvtierdRefusing", "KvtierdEventsDropped", "KvtierdEventsUnsubscribed"}
 
 
 def test_promtool_checks_the_scrape_config(promtool):

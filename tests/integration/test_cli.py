@@ -126,6 +126,14 @@ def test_check_config_rejects_a_bad_flag_and_a_missing_file(tmp_path):
     assert result.returncode == 2 and str(missing) in result.stderr, result.stderr
 
 
+def test_check_config_without_a_file_uses_environment_and_defaults():
+    result = kvtierd("check-config", env={"KVTIERD_CPU_BYTES": "24MiB"})
+    assert result.returncode == 0, result.stderr
+    assert printed_config(result.stdout)["cpu_bytes"] == str(24 * MiB)
+    assert printed_sources(result.stdout)["page_bytes"][1] == "default"
+    assert "config OK: (no file: environment and defaults)" in result.stdout
+
+
 def test_config_precedence_flag_over_env_over_file(tmp_path):
     path = tmp_path / "kvtierd.toml"
     path.write_text('cpu_bytes = "8MiB"\nmetrics_addr = "off"\n')

@@ -107,6 +107,7 @@ def test_remote_tcp_socket_needs_allow_remote():
         ("metrics_addr", "localhost:", {"metrics_addr": "localhost:"}),
         ("lease_timeout_s", 0.0, {"lease_timeout_s": 0}),
         ("copy_threads", "two", {"copy_threads": "two"}),
+        ("io_queue_depth", 0, {"io_queue_depth": 0}),
         ("max_frame_bytes", 1024, {"max_frame_bytes": 1024}),
         ("arena_name", "a/b", {"arena_name": "a/b"}),
         ("log_level", "CHATTY", {"log_level": "chatty"}),

@@ -1,0 +1,232 @@
+"""kvtierd's remote tier against Mooncake's own Python client, on one real Mooncake Store.
+
+    .venv/bin/python benchmarks/remote_tier.py [--bytes 256MiB] [--rounds 3] [--quick]
+
+One run starts a Mooncake Store in a private network namespace (``mooncake_master`` + a
+``mooncake_client`` store process lending the memory, so bytes cross a process boundary over TCP
+as to another node; ``tests/helpers/mooncake.py``) and, interleaved round by round on that store:
+
+* **Mooncake raw**: its Python client's ``batch_put_from`` / ``batch_get_into`` of ``--bytes`` as
+  256 KiB and 2 MiB objects from/into a registered buffer (``benchmarks/peers/mooncake.py``).
+* **kvtierd remote tier**: the same bytes in a real arena, published with the tier's write job
+  (header + arena pages per object, zero-copy, batches of the same size) and fetched with one read
+  job per chunk on ``--io-threads`` threads as the tier chain runs them (header check and xxh3-128
+  verification included).
+* **Mooncake per key**: the same gets, one ``get_into`` per key on ``--io-threads`` threads: the
+  access pattern the tier chain gives the remote tier (one read job per chunk), shown as ``load*``.
+* **Lookup latency** for 1 / 64 / 1024 keys (half of them present): the tier's existence-check job
+  (names + ``batch_is_exist`` + recording the answer) against the raw ``batch_is_exist``.
+
+The best round counts for each side. Target (issue 13): kvtierd / Mooncake >= 0.8 both ways. Nothing
+asserts; the table is printed and the numbers written as JSON (``--json``). ``--quick`` runs tiny
+sizes for the smoke test (its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))
+
+from peers import mooncake as peer  # noqa: E402
+
+from kvtierd.config_remote import RemoteConfig  # noqa: E402
+from kvtierd.copy.memcpy import checksum  # noqa: E402
+from kvtierd.remote.tier import RemoteTier  # noqa: E402
+from kvtierd.sizes import parse_size  # noqa: E402
+from kvtierd.tiers.arena import Arena  # noqa: E402
+from kvtierd.tiers.chunk import segments  # noqa: E402
+
+PAGE = 64 * 1024
+SIZES = (256 * 1024, 2 * 1024**2)
+LOOKUP_KEYS = (1, 64, 1024)
+
+
+def tier_round(tier: RemoteTier, arena: Arena, ns, chunk_bytes: int, nbytes: int,
+               io_threads: int) -> dict:
+    count = max(1, nbytes // chunk_bytes)
+    pages = chunk_bytes // PAGE
+    half = arena.nbytes // 2
+    assert count * chunk_bytes <= half
+    arena.view[:count * chunk_bytes] = os.urandom(count * chunk_bytes)
+    fp = "bench-fingerprint"
+    space = ("bench", f"round-{uuid.uuid4().hex}", 0)
+    items = []
+    for i in range(count):
+        runs = [(i * pages, pages)]
+        digest = checksum(arena.view, segments(runs, chunk_bytes, PAGE))
+        target = tier.reserve((space, b"%d" % i), fp, chunk_bytes, digest)
+        items.append((target, runs))
+    job = tier.write_job(items, arena)
+    with ns.entered():
+        start = time.perf_counter()
+        job()
+        put_s = time.perf_counter() - start
+    for target, _ in items:
+        tier.commit(target)
+    base = half // PAGE
+    arena.view[half:half + count * chunk_bytes] = b"\xa5" * (count * chunk_bytes)  # poison
+    jobs = []
+    for i, (target, _) in enumerate(items):
+        dst = [(base + i * pages, pages)]
+        jobs.append(tier.read_job(target, arena, dst, segments(dst, chunk_bytes, PAGE)))
+
+    def entered(fn):
+        with ns.entered():
+            return fn()
+
+    with concurrent.futures.ThreadPoolExecutor(io_threads) as pool:
+        start = time.perf_counter()
+        list(pool.map(entered, jobs))  # each job verifies its chunk (raises on a mismatch)
+        get_s = time.perf_counter() - start
+    total = count * chunk_bytes
+    assert arena.view[half:half + total] == arena.view[:total], "remote tier returned other bytes"
+    for target, _ in items:
+        tier.delete(target.ikey)
+    deletions = tier.take_deletions()
+    if deletions:
+        entered(tier.delete_job(deletions))
+        tier.deleted(deletions)
+    return {"chunk_bytes": chunk_bytes, "chunks": count, "bytes": total,
+            "store_gbps": total / put_s / 1e9, "load_gbps": total / get_s / 1e9}
+
+
+def lookup_latency(tier: RemoteTier, client, ns, reps: int) -> list[dict]:
+    """Median seconds of one existence check of N keys, half present, tier vs raw."""
+    fp = "bench-lookup"
+    space = ("bench", f"lookup-{uuid.uuid4().hex}", 0)
+    present = [(space, b"p%d" % i) for i in range(max(LOOKUP_KEYS) // 2)]
+    names = [tier.name_of(k, fp) for k in present]
+    with ns.entered():
+        for i in range(0, len(names), peer.BATCH):
+            codes = client.batch_put_from(names[i:i + peer.BATCH],
+                                          [tier.arena.address] * len(names[i:i + peer.BATCH]),
+                                          [64] * len(names[i:i + peer.BATCH]))
+            assert all(c == 0 for c in codes), codes
+    rows = []
+    for n in LOOKUP_KEYS:
+        keys = present[: n - n // 2] + [(space, b"a%d" % i) for i in range(n // 2)]
+        tier_s, raw_s = [], []
+        for _ in range(reps):
+            tier.known.clear()
+            tier._used_bytes = 0
+            with ns.entered():
+                start = time.perf_counter()
+                found = tier.exists_job(keys, fp)()
+                tier.exists_done(keys, fp, found)
+                tier_s.append(time.perf_counter() - start)
+                assert sum(found) == n - n // 2, (n, sum(found))
+                raw_names = [tier.name_of(k, fp) for k in keys]
+                start = time.perf_counter()
+                client.batch_is_exist(raw_names)
+                raw_s.append(time.perf_counter() - start)
+        rows.append({"keys": n, "kvtierd_ms": statistics.median(tier_s) * 1e3,
+                     "mooncake_ms": statistics.median(raw_s) * 1e3})
+    tier.known.clear()
+    tier._used_bytes = 0
+    with ns.entered():
+        client.batch_remove(names, True)
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    nbytes = parse_size(args.bytes)
+    sizes = list(SIZES)
+    region = peer.Region(2 * nbytes)
+    arena = Arena(f"kvtierd-bench-remote-{os.getpid()}", 2 * nbytes, prefault=True, lock=False)
+    results: dict = {"bytes": nbytes, "rounds": args.rounds, "io_threads": args.io_threads,
+                     "sizes": {}, "notes": []}
+    try:
+        with peer.store(Path(args.workdir), 3 * nbytes) as master:
+            client = peer.connect(master, region)
+            cfg = RemoteConfig(master_addr=master.master_addr, metadata_url=master.metadata_url,
+                               global_segment_bytes=0, local_buffer_bytes=16 * 1024**2,
+                               cluster_id="bench", max_batch=peer.BATCH)
+            tier = RemoteTier(cfg, arena, PAGE)
+            try:
+                for size in sizes:
+                    raw, per_key, ours = [], [], []
+                    for _ in range(args.rounds):  # interleaved: the machine's noise hits all
+                        raw.append(peer.measure(client, region, size, nbytes, master.ns))
+                        per_key.append(peer.measure(client, region, size, nbytes, master.ns,
+                                                    threads=args.io_threads))
+                        ours.append(tier_round(tier, arena, master.ns, size, nbytes,
+                                               args.io_threads))
+                    row = {key: {"store_gbps": max(r["store_gbps"] for r in runs),
+                                 "load_gbps": max(r["load_gbps"] for r in runs)}
+                           for key, runs in (("mooncake", raw), ("kvtierd", ours))}
+                    # the same gets one key per call on io_threads threads, as promotions run
+                    row["mooncake_per_key_load_gbps"] = max(r["load_gbps"] for r in per_key)
+                    row["load_ratio_per_key"] = (row["kvtierd"]["load_gbps"]
+                                                 / row["mooncake_per_key_load_gbps"])
+                    for way in ("store_gbps", "load_gbps"):
+                        row[f"{way[:-5]}_ratio"] = row["kvtierd"][way] / row["mooncake"][way]
+                    results["sizes"][str(size)] = row
+                results["lookup"] = lookup_latency(tier, client, master.ns, args.lookup_reps)
+            finally:
+                with master.ns.entered():
+                    tier.close()
+                    client.unregister_buffer(region.address)
+                    client.close()
+    finally:
+        arena.close()
+        region.close()
+    return results
+
+
+def print_table(results: dict) -> None:
+    print(f"\nremote tier vs Mooncake's Python client, {results['bytes']} bytes per size, best of "
+          f"{results['rounds']} interleaved rounds (shared machine: compare ratios)")
+    print(f"{'chunk':>8} {'way':>6} {'mooncake GB/s':>14} {'kvtierd GB/s':>13} {'ratio':>6}")
+    for size, row in results["sizes"].items():
+        for way in ("store", "load"):
+            print(f"{int(size) // 1024:>6}Ki {way:>6} {row['mooncake'][way + '_gbps']:>14.2f} "
+                  f"{row['kvtierd'][way + '_gbps']:>13.2f} {row[way + '_ratio']:>6.2f}")
+        print(f"{int(size) // 1024:>6}Ki {'load*':>6} {row['mooncake_per_key_load_gbps']:>14.2f} "
+              f"{row['kvtierd']['load_gbps']:>13.2f} {row['load_ratio_per_key']:>6.2f}")
+    print("load*: Mooncake one key per get_into call on io_threads threads (the access pattern "
+          "of kvtierd's promotions: one read job per chunk)")
+    print(f"\n{'lookup keys':>11} {'mooncake ms':>12} {'kvtierd ms':>11}")
+    for row in results["lookup"]:
+        print(f"{row['keys']:>11} {row['mooncake_ms']:>12.3f} {row['kvtierd_ms']:>11.3f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--bytes", default="256MiB", help="bytes moved per chunk size and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--io-threads", type=int, default=4, help="read jobs in flight (the "
+                        "daemon's io_threads)")
+    parser.add_argument("--lookup-reps", type=int, default=20)
+    parser.add_argument("--workdir", default=str(REPO / "benchmarks/results/remote_tier"))
+    parser.add_argument("--json", default=str(REPO / "benchmarks/results/remote_tier.json"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    args = parser.parse_args()
+    if args.quick:
+        args.bytes, args.rounds, args.lookup_reps = "4MiB", 1, 2
+    reason = peer.mc.unavailable_reason()
+    if reason:
+        print(f"cannot run: {reason}", file=sys.stderr)
+        return 2
+    results = run(args)
+    print_table(results)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwritten to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""How a chunk is stored in a shared remote store: its object name and its header.
+
+A remote store is shared by every node of a cluster (and maybe by several clusters), so an object
+must say whose chunk it is and prove its bytes on every read.
+
+**Name**: ``kvtierd/<cluster_id>/<tenant>/<namespace>/<rank>/<fingerprint>/<chunk key>``. Tenant and
+namespace are percent-encoded (a ``/`` in a namespace can never forge another tenant's prefix); the
+layout fingerprint is a 64-bit hash of the writer's fingerprint, so readers of two layouts never
+share a name (a reader of another layout simply misses, as in the local tiers); the chunk key is
+hex. Nothing a client chooses can make two identities share a name.
+
+**Object** = header (``HEADER_BYTES``, little endian) + payload::
+
+    magic "KVTR" | format version u16 | header bytes u16 | flags u32 | payload length u64 |
+    xxh3-128(payload) | xxh3-128(tenant) | xxh3-128(fingerprint) | xxh3-128(name)
+
+``check_header`` compares every field with what the reader expects; the chain compares the
+checksum with the payload it read. A mismatch anywhere is an integrity failure: the object is
+removed and the reader gets a miss. The name's digest in the header catches an object stored under
+the wrong name (a bug or tampering in the store), the tenant's digest a forged prefix.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from dataclasses import dataclass
+from typing import Hashable
+from urllib.parse import quote
+
+import xxhash
+
+MAGIC = b"KVTR"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHHIQ16s16s16s16s")
+HEADER_BYTES = _HEADER.size  # 84
+PREFIX = "kvtierd"
+
+
+class HeaderMismatch(Exception):
+    """A remote object's header does not match what the reader expects (names the field)."""
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    payload_len: int
+    checksum: bytes  # xxh3-128 of the payload, 16 bytes
+    tenant_digest: bytes
+    fingerprint_digest: bytes
+    name_digest: bytes
+    version: int = FORMAT_VERSION
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(MAGIC, self.version, HEADER_BYTES, self.flags, self.payload_len,
+                            self.checksum, self.tenant_digest, self.fingerprint_digest,
+                            self.name_digest)
+
+
+def digest(text: str) -> bytes:
+    return xxhash.xxh3_128_digest(text.encode())
+
+
+def object_name(cluster_id: str, ikey: Hashable, fingerprint: str) -> str:
+    """The object name of chunk ``ikey = ((tenant, namespace, rank), key)`` in layout
+    ``fingerprint``."""
+    (tenant, namespace, rank), key = ikey  # type: ignore[misc]
+    return _space_prefix(cluster_id, tenant, namespace, int(rank), fingerprint) + bytes(key).hex()
+
+
+@functools.lru_cache(maxsize=4096)
+def _space_prefix(cluster_id: str, tenant: str, namespace: str, rank: int,
+                  fingerprint: str) -> str:
+    """Shared by every chunk of one session (a 1024-key LOOKUP computes it once)."""
+    fp = xxhash.xxh3_64_hexdigest(fingerprint.encode())
+    return (f"{PREFIX}/{cluster_id}/{quote(tenant, safe='')}/{quote(namespace, safe='')}/"
+            f"{rank}/{fp}/")
+
+
+def tenant_prefix(cluster_id: str, tenant: str) -> str:
+    """The name prefix of every object of one tenant (for an operator's ``remove_by_regex``)."""
+    return f"{PREFIX}/{cluster_id}/{quote(tenant, safe='')}/"
+
+
+def header_for(name: str, ikey: Hashable, fingerprint: str, nbytes: int,
+               checksum: bytes) -> ObjectHeader:
+    tenant = ikey[0][0]  # type: ignore[index]
+    return ObjectHeader(nbytes, checksum, digest(tenant), digest(fingerprint), digest(name))
+
+
+def check_header(raw: bytes | memoryview, name: str, ikey: Hashable, fingerprint: str,
+                 nbytes: int) -> ObjectHeader:
+    """The header in ``raw`` if it is the header of chunk ``ikey`` (layout ``fingerprint``,
+    ``nbytes`` payload bytes) stored as ``name``; else ``HeaderMismatch`` naming the field."""
+    if len(raw) != HEADER_BYTES:
+        raise HeaderMismatch(f"header of {len(raw)} bytes, expected {HEADER_BYTES}")
+    (magic, version, size, flags, length, checksum, tenant_d, fp_d,
+     name_d) = _HEADER.unpack(bytes(raw))
+    expected = header_for(name, ikey, fingerprint, nbytes, checksum)
+    for field, got, want in (
+            ("magic", magic, MAGIC), ("format version", version, FORMAT_VERSION),
+            ("header bytes", size, HEADER_BYTES), ("flags", flags, 0),
+            ("payload length", length, nbytes), ("tenant", tenant_d, expected.tenant_digest),
+            ("fingerprint", fp_d, expected.fingerprint_digest),
+            ("name", name_d, expected.name_digest)):
+        if got != want:
+            raise HeaderMismatch(f"{field} {got!r} differs from the expected {want!r}")
+    return expected

@@ -1,0 +1,49 @@
+"""Smoke tests of the remote-tier benchmark and the Mooncake peer (output shape only, never
+timing): each runs in its own process, since a process's Mooncake clients share one namespace."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import mooncake as mc
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.skipif(mc.unavailable_reason() is not None,
+                                 reason=str(mc.unavailable_reason())),
+              pytest.mark.slow]  # a master, a store process and a few MiB each way: ~10 s
+
+
+def test_remote_tier_benchmark_quick(tmp_path: Path) -> None:
+    out = tmp_path / "remote_tier.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks/remote_tier.py"), "--quick",
+                           "--json", str(out), "--workdir", str(tmp_path / "mc")],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert set(results["sizes"]) == {str(256 * 1024), str(2 * 1024**2)}
+    for row in results["sizes"].values():
+        for side in ("mooncake", "kvtierd"):
+            assert row[side]["store_gbps"] > 0 and row[side]["load_gbps"] > 0
+        assert row["mooncake_per_key_load_gbps"] > 0
+        assert {"store_ratio", "load_ratio", "load_ratio_per_key"} <= set(row)
+    assert [r["keys"] for r in results["lookup"]] == [1, 64, 1024]
+    assert "load*" in done.stdout and "lookup keys" in done.stdout
+
+
+def test_mooncake_peer_rows(tmp_path: Path) -> None:
+    code = ("import json, sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); "
+            "from peers import mooncake; "
+            f"print(json.dumps(mooncake.run([262144], 1, Path({str(tmp_path)!r}))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) == 1
+    row = rows[0]
+    assert {k: row[k] for k in ("peer", "path", "chunk_bytes")} == {
+        "peer": "mooncake", "path": "raw bytes", "chunk_bytes": 262144}
+    assert row["store_gbps"] > 0 and row["load_gbps"] > 0
