@@ -1,10 +1,12 @@
 """``KVTierClient``: moves planned chunks between an engine's paged KV cache and kvtierd.
 
 One worker thread owns the socket and the staging buffer, so ``store`` and ``load`` return futures
-and run in submission order; ``lookup`` waits for its answer. Store: gather a batch of chunks into
-staging (merged memmove runs on CPU, ``host_copies``; the GPU kernels and a CUDA IPC staging buffer for CUDA
-tensors, see ``cuda_staging``), then one PUT. Load: one GET into staging, then scatter the
-chunks that hit. A chunk is True only if its bytes are stored (store) or now in its blocks (load).
+and run in submission order; ``lookup`` waits for its answer. Store: gather chunks into staging
+(merged memmove runs on CPU, ``host_copies``; the GPU kernels and a CUDA IPC staging buffer for CUDA
+tensors, see ``cuda_staging``), then PUT them. Load: GET into staging, then scatter the chunks that
+hit. Both are cut into pieces with two requests in flight (``pipeline``), so the client's copy of
+one piece overlaps the daemon's copy of another. A chunk is True only if its bytes are stored
+(store) or now in its blocks (load).
 
 When the daemon is down or slow, calls answer False for every chunk (with a warning) instead of
 raising: an engine keeps serving without its cache. That includes ``connect``: with no daemon it
@@ -29,7 +31,7 @@ import torch
 from kvtierd.paths import client_socket, unreachable_reason
 from kvtierd.protocol import STORED, Op, Status, Tier
 
-from . import host_copies
+from . import host_copies, pipeline
 from .copies import CopyUnit, build_page_tables
 from .layout import KVLayout
 from .planner import Chunk
@@ -55,7 +57,12 @@ class KVTierClient:
         timeout_s: float = 30.0,
         heartbeat_s: float = 5.0,
         token: str = "",
+        piece_bytes: int | None = None,
     ) -> None:
+        if piece_bytes is not None and piece_bytes <= 0:
+            raise ValueError(f"piece_bytes={piece_bytes}; allowed: a positive size, or None for "
+                             "about 8 MiB (pipeline.piece_target)")
+        self._piece_bytes = piece_bytes  # bytes per request; None: pipeline.piece_target
         self.layout = layout
         self.namespace = namespace or layout.namespace
         self._tables = build_page_tables(layout, kv_caches)
@@ -64,6 +71,8 @@ class KVTierClient:
                       if device.type == "cuda" else None)
         # CPU tensors: merged memmove runs (host_copies), byte-identical to the torch reference
         self._host = host_copies.geometries(self._tables) if self._cuda is None else None
+        if self._host is not None:
+            host_copies.warm_up()  # compiled here, not inside the first store
         largest = max((layout.chunk_nbytes(g) for g, ok in enumerate(layout.offloadable) if ok),
                       default=0)
         self.staging_bytes = staging_bytes or max(DEFAULT_STAGING_BYTES, align(largest) * 2)
@@ -225,19 +234,17 @@ class KVTierClient:
             self._staging = None
         self.session_id = None
 
-    def _call(self, op: Op, prepare: Any = None, **fields: Any) -> tuple[dict, list]:
-        """One request in a live session; ``prepare()`` (e.g. a gather into staging) runs first.
+    def _call(self, op: Op, **fields: Any) -> tuple[dict, list]:
+        """One request in a live session. If the daemon forgot the session (it restarted), greet
+        it again with a new staging buffer and ask once more."""
+        return self._retrying(lambda: self._transport.call(op, **fields))
 
-        If the daemon forgot the session (it restarted), greet it again with a new staging buffer
-        and redo both steps once.
-        """
+    def _retrying(self, request: Any) -> Any:
         for attempt in (0, 1):
             self._ensure_session()
             self._last_call = time.monotonic()
-            if prepare is not None:
-                prepare()
             try:
-                return self._transport.call(op, **fields)
+                return request()
             except DaemonError as exc:
                 if exc.status != Status.NO_SESSION or attempt:
                     raise
@@ -246,29 +253,22 @@ class KVTierClient:
                 self._abandon_session()
         raise AssertionError("unreachable")
 
-    def _batches(self, chunks: list[Chunk]) -> list[list[tuple[Chunk, int]]]:
-        """Split chunks into staging-sized batches of (chunk, staging offset)."""
-        batches: list[list[tuple[Chunk, int]]] = []
-        current: list[tuple[Chunk, int]] = []
-        offset = 0
-        max_batch = self._limits.get("max_batch", 1024)
-        for chunk in chunks:
-            nbytes = self.layout.chunk_nbytes(chunk.group)
-            if current and (align(offset) + nbytes > self.staging_bytes or len(current) >= max_batch):
-                batches.append(current)
-                current, offset = [], 0
-            start = align(offset)
-            current.append((chunk, start))
-            offset = start + nbytes
-        if current:
-            batches.append(current)
-        return batches
+    def _pieces(self, chunks: list[Chunk]) -> list[pipeline.Piece]:
+        """The call's chunks as staging pieces (``pipeline.plan``), with the session's limits."""
+        total = sum(self.layout.chunk_nbytes(c.group) for c in chunks)
+        target = self._piece_bytes or pipeline.piece_target(total, self.staging_bytes)
+        return pipeline.plan(chunks, lambda c: self.layout.chunk_nbytes(c.group),
+                             self.staging_bytes, target, self._limits.get("max_batch", 1024))
 
-    def _units(self, batch: list[tuple[Chunk, int]]) -> list[CopyUnit]:
-        return [CopyUnit(c.group, tuple(c.block_ids), off) for c, off in batch]
+    def _depth(self) -> int:
+        return max(1, min(pipeline.DEPTH, self._limits.get("max_in_flight_requests",
+                                                           pipeline.DEPTH)))
 
-    def _items(self, batch: list[tuple[Chunk, int]]) -> list[list]:
-        return [[c.key, off, self.layout.chunk_nbytes(c.group)] for c, off in batch]
+    def _units(self, piece: pipeline.Piece) -> list[CopyUnit]:
+        return [CopyUnit(c.group, tuple(c.block_ids), off) for c, off in piece.slots]
+
+    def _items(self, piece: pipeline.Piece) -> list[list]:
+        return [[c.key, off, self.layout.chunk_nbytes(c.group)] for c, off in piece.slots]
 
     def _gather(self, units: list[CopyUnit], ready: Any) -> None:
         if self._host is not None:
@@ -282,25 +282,43 @@ class KVTierClient:
         else:  # returns once the blocks hold the bytes: the load's future may resolve
             self._cuda.scatter(units, self._staging, ready)
 
+    def _pipelined(self, op: Op, chunks: list[Chunk], before: Any, after: Any,
+                   fields: Any = None) -> list[bool]:
+        """``chunks`` through ``pipeline.run`` as ``op`` requests (``fields(piece)``: more request
+        fields); all of it again, once, in a new session if the daemon forgot ours (a store
+        re-puts, a load re-reads: both are safe)."""
+        if not chunks:
+            return []
+
+        def send(piece: pipeline.Piece) -> int:
+            more = fields(piece) if fields is not None else {}
+            return self._transport.send(op, items=self._items(piece), **more)
+
+        def attempt() -> list[bool]:
+            return pipeline.run(
+                self._pieces(chunks), self._depth(), before, send,
+                lambda request_id: self._transport.receive(op, request_id)[0], after)
+
+        return self._retrying(attempt)
+
     def _store(self, chunks: list[Chunk], ready: Any = None) -> list[bool]:
-        out: list[bool] = []
-        for batch in self._batches(chunks):
-            units = self._units(batch)
-            fields: dict[str, Any] = {"items": self._items(batch)}
-            if self._events:  # the daemon announces stores: say which engine blocks each covers
-                fields["blocks"] = [_blocks(c) for c, _ in batch]
-            header, _ = self._call(Op.PUT, lambda: self._gather(units, ready), **fields)
-            out.extend(status in STORED for status in header["results"])
-        return out
+        def fields(piece: pipeline.Piece) -> dict[str, Any]:
+            if not self._events:
+                return {}
+            # the daemon announces stores: say which engine blocks each covers
+            return {"blocks": [_blocks(c) for c, _ in piece.slots]}
+
+        return self._pipelined(
+            Op.PUT, chunks, lambda piece: self._gather(self._units(piece), ready),
+            lambda piece, header: [status in STORED for status in header["results"]], fields)
 
     def _load(self, chunks: list[Chunk], ready: Any = None) -> list[bool]:
-        out: list[bool] = []
-        for batch in self._batches(chunks):
-            header, _ = self._call(Op.GET, items=self._items(batch))
+        def scatter_hits(piece: pipeline.Piece, header: dict) -> list[bool]:
             hits = [status == Status.OK for status in header["results"]]
-            self._scatter([u for u, hit in zip(self._units(batch), hits) if hit], ready)
-            out.extend(hits)
-        return out
+            self._scatter([u for u, hit in zip(self._units(piece), hits) if hit], ready)
+            return hits
+
+        return self._pipelined(Op.GET, chunks, lambda piece: None, scatter_hits)
 
     def _lookup(self, chunks: list[Chunk], lease: bool) -> list[bool]:
         out: list[bool] = []

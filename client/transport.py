@@ -1,8 +1,11 @@
 """Request/reply over one ZeroMQ DEALER socket, for one thread.
 
 Replies are matched by request id; anything else (the daemon's ``id: 0`` liveness probes, replies
-to requests that already timed out) is skipped. A timeout leaves the socket in an unknown state (the
-daemon may still act on the request later), so the caller must ``reset`` and start a new session.
+to requests that already timed out) is skipped. Several requests may be in flight (``send`` them,
+then ``receive`` each by id): the daemon answers a batch when its copies finish, so replies can
+come out of order, and one that arrives before it is asked for is kept until it is. A timeout
+leaves the socket in an unknown state (the daemon may still act on the request later), so the
+caller must ``reset`` and start a new session.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class Transport:
         self._ids = itertools.count(1)
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._waiting: set[int] = set()  # sent, not yet received
+        self._early: dict[int, tuple[dict, list]] = {}  # replies that came before their receive
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -49,33 +54,52 @@ class Transport:
 
     def call(self, op: Op, frames: list | None = None, **fields: Any) -> tuple[dict, list]:
         """Send one request; return the reply header (status OK) and its payload frames."""
+        return self.receive(op, self.send(op, frames, **fields))
+
+    def send(self, op: Op, frames: list | None = None, **fields: Any) -> int:
+        """Send one request without waiting; return its id for ``receive``."""
         sock = self._socket()
         request_id = next(self._ids)
         sock.send_multipart([pack(request(op, request_id, **fields)), *(frames or [])],
                             copy=not frames)
+        self._waiting.add(request_id)
+        return request_id
+
+    def receive(self, op: Op, request_id: int) -> tuple[dict, list]:
+        """Wait up to ``timeout_s`` for the reply to ``request_id``; raise ``DaemonError`` if it
+        is not OK. Replies to other requests still in flight are kept for their own ``receive``."""
+        self._waiting.discard(request_id)
+        parts = self._early.pop(request_id, None)
         deadline = time.monotonic() + self.timeout_s
-        while True:
+        while parts is None:
             left = deadline - time.monotonic()
+            sock = self._socket()
             if left <= 0 or not sock.poll(max(1, int(left * 1000))):
                 raise DaemonUnavailable(
                     f"{op.name}: no answer from kvtierd at {self.address} within "
                     f"{self.timeout_s:g} s")
-            parts = sock.recv_multipart(copy=False)
+            got = sock.recv_multipart(copy=False)
             try:
-                header = unpack(parts[0].bytes, MAX_REPLY_HEADER)
+                header = unpack(got[0].bytes, MAX_REPLY_HEADER)
             except ProtocolError:
                 continue
-            if header.get("id") != request_id:
-                continue
-            if header.get("status") != Status.OK:
-                raise DaemonError(op, header.get("status"), header.get("name", "?"),
-                                  header.get("message", ""))
-            return header, [p.buffer for p in parts[1:]]
+            rid = header.get("id")
+            if rid == request_id:
+                parts = (header, got)
+            elif rid in self._waiting:
+                self._early[rid] = (header, got)
+        header, got = parts
+        if header.get("status") != Status.OK:
+            raise DaemonError(op, header.get("status"), header.get("name", "?"),
+                              header.get("message", ""))
+        return header, [p.buffer for p in got[1:]]
 
     def reset(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        self._waiting.clear()  # their replies went with the socket
+        self._early.clear()
 
     def close(self) -> None:
         self.reset()

@@ -50,7 +50,9 @@ def test_metrics_agree_with_the_workload_and_stats(daemon_factory):
                          [list(range(100 * p, 100 * (p + 1)))]) for p, n in enumerate(sizes)]
     never = layout.plan(random_tokens(gen, 5 * CHUNK_TOKENS), [list(range(400, 480))])
 
-    with KVTierClient.connect(d.address, layout=layout, kv_caches=kv) as client:
+    # one request per call (no pipelined pieces): the request counts below are per call
+    with KVTierClient.connect(d.address, layout=layout, kv_caches=kv,
+                              piece_bytes=64 * 1024**2) as client:
         puts = 0
         for chunks in [plans[0], plans[1], plans[0], plans[2], plans[3]]:  # plans[0] twice: EXISTS
             assert all(client.store(chunks).result(timeout=30))

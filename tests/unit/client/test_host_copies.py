@@ -97,7 +97,7 @@ def test_consecutive_blocks_of_a_contiguous_cache_become_one_run():
     geo = host_copies.geometries(tables)
     kv, st, n = host_copies.plan_runs(geo, [CopyUnit(0, (4, 5, 6, 7), 0)], staging)
     # x's blocks 4..7 end where y's block 0 starts, not y's block 4: two runs, each 4 pages
-    assert n == [1024, 1024]
+    assert n.tolist() == [1024, 1024]
     kv, st, n = host_copies.plan_runs(geo, [CopyUnit(0, (5, 4, -1, 7), 0)], staging)
     assert len(n) == 6 and sum(n) == 6 * 256
 
