@@ -171,6 +171,11 @@ class TierChain:
         status, entry = self.cpu.lookup(ikey, fingerprint)
         if entry is not None or status is Status.LAYOUT_MISMATCH:
             return status, Tier.CPU, entry
+        return self.lookup_below(ikey, fingerprint)
+
+    def lookup_below(self, ikey: Any, fingerprint: str
+                     ) -> tuple[Status, Tier, ChunkEntry | None]:
+        """``lookup`` in the usable lower tiers only (the arena already missed)."""
         for link in self.links:
             if not self.usable(link):
                 continue

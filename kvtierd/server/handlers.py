@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from typing import Callable
 
 from kvtierd import __version__, cuda_health, staging_cuda
@@ -35,6 +36,8 @@ from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
 from kvtierd.staging_cuda import CudaIpcStaging
 from kvtierd.tenants import OTHER_LABEL, TenantTable
+from kvtierd.tiers.base import MISMATCH_SLOT, MISS_SLOT
+from kvtierd.tiers.chunk import ChunkEntry
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +176,12 @@ class OpHandlers:
         keys = requests.batch(header, "keys", self.cfg.max_batch)
         lease = requests.flag(header, "lease", False)
         for key in keys:
-            problem = requests.key_problem(key)
-            if problem is not None:
-                raise ProtocolError(problem[0], problem[1])
+            if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+                problem = requests.key_problem(key)
+                if problem is not None:
+                    raise ProtocolError(problem[0], problem[1])
+        if not self.mover.checks_existence:
+            return self._lookup_batched(session, keys, lease)
         ikeys = [session.ikey(key) for key in keys]
         found = [self.mover.lookup(ikey, session.fingerprint) for ikey in ikeys]
         missed = [ikey for ikey, (status, _, entry) in zip(ikeys, found)
@@ -200,6 +206,39 @@ class OpHandlers:
             if self.mover.check(missed, session.fingerprint, later):
                 return None
         return self._lookup_answer(session, ikeys, found, lease)
+
+    def _lookup_batched(self, session: Session, keys: list, lease: bool) -> dict:
+        """Without a tier that needs existence checks: the arena answers the whole batch from its
+        compact index (``lookup_slots``: no entry built unless a hit is leased), the lower tiers
+        only its misses; counts and ghosts are fed once per batch. Same answers, touches, leases
+        and counts as ``_lookup_answer`` over per-key lookups."""
+        cpu, fingerprint = self.mover.cpu, session.fingerprint
+        slots = cpu.lookup_slots(session.space, keys, fingerprint)
+        tiers = [int(Tier.CPU) if slot >= 0 else int(Tier.NONE) for slot in slots]
+        names: list[str | None] = ["cpu" if slot >= 0 else None for slot in slots]
+        hits: Counter[Tier] = Counter({Tier.CPU: len(slots) - names.count(None)})
+        misses: Counter[Status] = Counter({Status.LAYOUT_MISMATCH: slots.count(MISMATCH_SLOT)})
+        below: dict[int, ChunkEntry] = {}
+        for i, slot in enumerate(slots):
+            if slot != MISS_SLOT:
+                continue
+            status, tier, entry = self.mover.lookup_below(session.ikey(keys[i]), fingerprint)
+            if entry is None:
+                misses[status] += 1
+                continue
+            below[i] = entry
+            tiers[i] = int(tier)
+            names[i] = tier.name.lower()
+            hits[tier] += 1
+        self.accounting.lookup_counts(+hits, +misses)
+        self.ghosts.access_many(session.space, keys, names)
+        if lease:
+            for i, slot in enumerate(slots):
+                if slot >= 0:
+                    self.sessions.lease(session, cpu.index.entry(slot))
+                elif i in below:
+                    self.sessions.lease(session, below[i])
+        return {"tiers": tiers}
 
     def _lookup_answer(self, session: Session, ikeys: list, found: list, lease: bool) -> dict:
         tiers = []
