@@ -106,8 +106,10 @@ class SessionTable:
         session.leases[entry.ikey] = (entry, expiry)
 
     def _tier_of(self, entry: ChunkEntry) -> Any:
+        # A tier without a compact index (the remote one) keeps no slots: its entries' pins are
+        # plain counts, which the CPU tier's pin/unpin keep as well (slot -1: nothing to fold).
         for tier in self.lower or ():
-            holds = getattr(tier.index, "holds", None)
+            holds = getattr(getattr(tier, "index", None), "holds", None)
             if holds is not None and holds(entry):
                 return tier
         return self.tier
@@ -162,7 +164,7 @@ class SessionTable:
                 assert entry.ikey == ikey, "lease recorded under another key"
                 pins[id(entry)] = pins.get(id(entry), 0) + 1
         # A pinned chunk is always in its index's active form, so only those need a look.
-        tiers = [self.tier, *(t for t in self.lower or () if hasattr(t.index, "active"))]
+        tiers = [self.tier, *(t for t in self.lower or () if hasattr(getattr(t, "index", None), "active"))]
         for tier in tiers:
             for entry in list(tier.index.active.values()):
                 assert entry.pin_count == pins.get(id(entry), 0), (
