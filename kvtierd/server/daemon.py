@@ -120,11 +120,7 @@ class Daemon:
                 persistent=cfg.cpu_persistent,
             )
         except BaseException as exc:
-            self._start_failed(exc)
-            self.handshake.close()
-            self.events.close()
-            self._close_sockets()
-            self.metrics.close()
+            self._abandon_start(exc)
             raise
         log.info(
             "arena /dev/shm/%s: %d bytes mapped in %.2f s (prefault=%s, mlocked=%s)",
@@ -134,13 +130,17 @@ class Daemon:
         try:
             self._build(cfg)
         except BaseException as exc:
-            self._start_failed(exc)
-            self.handshake.close()
-            self.events.close()
-            self._close_sockets()
-            self.metrics.close()
+            self._abandon_start(exc)
             self.arena.close(unlink=not cfg.cpu_persistent)
             raise
+
+    def _abandon_start(self, exc: BaseException) -> None:
+        """A start that failed after binding: report it, then close what was bound."""
+        self._start_failed(exc)
+        self.handshake.close()
+        self.events.close()
+        self._close_sockets()
+        self.metrics.close()
 
     @staticmethod
     def _bind_events(cfg: Config) -> NoEvents:

@@ -81,6 +81,16 @@ class TierIndex:
             self.counters["layout_mismatch"] += mismatches
         return out
 
+    def pin(self, entry: ChunkEntry) -> None:
+        """A LOOKUP lease: the chunk is not evicted until unpinned."""
+        entry.pin_count += 1
+
+    def unpin(self, entry: ChunkEntry) -> None:
+        assert entry.pin_count > 0, "unpin without pin"
+        entry.pin_count -= 1
+        if not entry.pin_count:
+            self.index.loosen(entry)
+
     def pick_victims(self, pages_needed: int, tenant: str | None = None
                      ) -> tuple[list[ChunkEntry], int]:
         """Coldest evictable chunks (READY, unleased, unread, not demoting) covering

@@ -260,15 +260,6 @@ class CpuTier(TierIndex):
             else:
                 self.index.loosen(entry)
 
-    def pin(self, entry: ChunkEntry) -> None:
-        entry.pin_count += 1
-
-    def unpin(self, entry: ChunkEntry) -> None:
-        assert entry.pin_count > 0, "unpin without pin"
-        entry.pin_count -= 1
-        if not entry.pin_count:
-            self.index.loosen(entry)
-
     # -- removal ---------------------------------------------------------------------------------
     def delete(self, ikey: Hashable) -> Status:
         slot = self.index.slot(ikey)

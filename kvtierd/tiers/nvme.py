@@ -245,16 +245,6 @@ class NvmeTier(TierIndex):
             else:
                 self.index.loosen(entry)
 
-    def pin(self, entry: ChunkEntry) -> None:
-        """A LOOKUP lease on an NVMe chunk: not evicted until unpinned."""
-        entry.pin_count += 1
-
-    def unpin(self, entry: ChunkEntry) -> None:
-        assert entry.pin_count > 0, "unpin without pin"
-        entry.pin_count -= 1
-        if not entry.pin_count:
-            self.index.loosen(entry)
-
     # -- removal -----------------------------------------------------------------------------------
     def drop(self, entry: ChunkEntry) -> None:
         """Remove a READY chunk from the index now; its pages come back via ``delete_job``."""
