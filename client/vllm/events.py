@@ -51,7 +51,12 @@ class EventFeed:
             self._sub.connect(address)
 
     def stored(self, keys: Iterable[bytes]) -> None:
-        """``complete_store`` succeeded: the chunks are in the daemon's CPU tier."""
+        """``complete_store`` succeeded: the chunks are in the daemon's CPU tier.
+
+        What the daemon's stream already delivered is applied first: it was sent before this
+        store completed, so an ``AllBlocksCleared`` among it (a start) must not void this store.
+        """
+        self._drain()
         new = [k for k in keys if self._sub is None or self._add(k, Medium.CPU)]
         if new:
             self._out.append(OffloadingEvent(keys=[OffloadKey(k) for k in new], medium=Medium.CPU,

@@ -282,6 +282,7 @@ class Daemon:
             if self.events.enabled:
                 self.events.start()
                 self.events.cleared()  # what an earlier run announced is void
+                self.events.flush()  # queued before any request is answered, not after the first
             log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes)",
                      __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
                      self.cfg.page_bytes)

@@ -17,9 +17,9 @@ MAX_TOKENS = 8
 ENGINE_TIMEOUT_S = 240
 
 
-def prompts(seed: int = 1) -> list[list[int]]:
+def prompts(seed: int = 1, lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
 
 
 def drive(workdir: Path, name: str, **spec) -> dict:

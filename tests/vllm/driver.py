@@ -9,7 +9,7 @@ SPEC: ``model_dir``, ``kind`` (the tiny model to generate there if absent), ``ad
 ``layout_dir``, ``prompts`` (token id lists), ``max_tokens``, ``rounds`` (each ``{"name", "env"}``,
 every round after the first starts with ``reset_prefix_cache()`` unless it says ``"reset": false``), optional ``extra_config``
 (replaces ``blocks_per_chunk``), ``connector`` (replaces ``"kv_connector": "OffloadingConnector"``),
-``engine`` (more ``LLM`` arguments, e.g. ``mamba_cache_mode``). OUT: per round the tokens, logprobs and prefix-cache counter deltas,
+``engine`` (more ``LLM`` arguments, e.g. ``mamba_cache_mode``), ``dtype`` (default bfloat16). OUT: per round the tokens, logprobs and prefix-cache counter deltas,
 the layouts the workers published, or ``refused`` with the error if the engine did not start.
 """
 
@@ -91,7 +91,7 @@ def main(spec_path: str, out_path: str) -> None:
     started = time.monotonic()
     try:
         llm = LLM(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
-                  dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=64 * 2**20,
+                  dtype=spec.get("dtype", "bfloat16"), max_model_len=1024, kv_cache_memory_bytes=64 * 2**20,
                   disable_log_stats=False, seed=0, **spec.get("engine", {}),
                   kv_transfer_config={"kv_role": "kv_both", "kv_connector_extra_config": extra,
                                       **spec.get("connector", {"kv_connector": "OffloadingConnector"})})

@@ -122,6 +122,34 @@ def test_take_events_reports_stores_and_the_daemons_later_moves(daemon_factory, 
         quiet.shutdown()
 
 
+def test_a_start_announced_before_a_store_does_not_void_it(tmp_path):
+    """A daemon's start (``AllBlocksCleared``) that reached the manager before a store completed
+    voids what was announced before it, never that store (seen: a start delivered just after the
+    manager subscribed reported the engine's first stores as removed)."""
+    from kvtier_client.vllm.events import EventFeed
+
+    from kvtierd.events import EventsSettings, KVEvents
+
+    addr = f"ipc://{tmp_path / 'events.sock'}"
+    publisher = KVEvents(EventsSettings(addr=addr))
+    publisher.start()
+    feed = EventFeed(addr)
+    try:
+        wait_for(lambda: publisher.counts()["subscribers"] >= 1, 30, "the feed subscribed")
+        early, late = vllm_key(1), vllm_key(2)
+        feed.stored([early])
+        publisher.cleared()
+        publisher.flush()
+        assert feed._sub is not None and feed._sub.poll(30_000), "the start never arrived"
+        feed.stored([late])  # completed after the start arrived: it is in the new run's arena
+        events = [(e.medium, e.removed, [bytes(k) for k in e.keys]) for e in feed.take()]
+        assert events == [(Medium.CPU, False, [early]), (Medium.CPU, True, [early]),
+                          (Medium.CPU, False, [late])], events
+    finally:
+        feed.close()
+        publisher.close()
+
+
 DECODE_033 = """
 import sys, msgspec
 from vllm.distributed.kv_events import KVEventBatch

@@ -12,16 +12,22 @@ import pytest
 
 # Round A computes its prefill while vLLM batches the two prompts as its scheduler sees fit; since
 # lookups answer asynchronously (RETRY for one step), A's batch composition depends on timing, and
-# bf16 prefill in another batch shape can move a logprob in the last digits (seen: ~1e-6 on Gemma-4
-# on a loaded CI machine, same tokens). Rounds that load from kvtierd (B, X) must agree with each
-# other bit for bit; against A they must give the same tokens and logprobs within this bound (the
-# neighbour-chunk control below still checks that a wrong chunk changes them).
+# the rounds that load (B, X) compute only the tail, in another batch shape. The models run in
+# float32 (conftest), where that moves a logprob by ~1e-6 (bf16 moved one by 3.9e-3 on a loaded CI
+# machine: one ulp of a logit). Rounds that load must agree with each other bit for bit; against A
+# they must give the same tokens and logprobs within this bound, and a wrong chunk must move them
+# by far more than it.
 BATCH_NOISE = 1e-4
+WRONG_CHUNK_MIN = 100 * BATCH_NOISE
+
+
+def worst_difference(got: list[list[float]], want: list[list[float]]) -> float:
+    assert [len(x) for x in got] == [len(x) for x in want]
+    return max(abs(g - w) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
 
 
 def assert_close(got: list[list[float]], want: list[list[float]]) -> None:
-    assert [len(x) for x in got] == [len(x) for x in want]
-    worst = max(abs(g - w) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+    worst = worst_difference(got, want)
     assert worst <= BATCH_NOISE, (worst, got, want)
 
 MODELS = ["llama", "gemma3", "gemma4"]
@@ -41,7 +47,8 @@ def test_round_b_takes_its_prefix_from_kvtierd_with_identical_tokens_and_logprob
 def test_loading_a_neighbouring_chunk_changes_the_logprobs(scenario):
     a, c = scenario.first["rounds"]["A"], scenario.first["rounds"]["C"]
     assert c["external_hits"] > 0, c
-    assert c["logprobs"] != a["logprobs"]
+    worst = worst_difference(c["logprobs"], a["logprobs"])
+    assert worst > WRONG_CHUNK_MIN, (worst, c["logprobs"], a["logprobs"])
 
 
 def test_a_second_instance_hits_what_the_first_stored(scenario):
