@@ -299,17 +299,55 @@ class ChunkIndex:
                 if found.keys.get(key, -1) >= first:
                     del found.keys[key]
             raise KeyError(f"a key of {space!r} is indexed twice")
+        self._space.extend(array("I", [found.id]) * n)
+        self._extend_columns(keys, fingerprints, sizes, starts, checksums, verified)
+        return first
+
+    def _extend_columns(self, keys: tuple[bytes, ...], fingerprints: tuple[str, ...],
+                        sizes: tuple[int, ...], starts: array, checksums: bytes,
+                        verified: bool) -> None:
+        """Every column but the space, for new single-run slots at the end (C-level extends)."""
+        n = len(keys)
         fp_ids = {fp: self._fps.take_many(fp, count)
                   for fp, count in collections.Counter(fingerprints).items()}
-        self._fp.extend([fp_ids[fp] for fp in fingerprints] if len(fp_ids) > 1
+        self._fp.extend(array("I", map(fp_ids.__getitem__, fingerprints)) if len(fp_ids) > 1
                         else array("I", [fp_ids[fingerprints[0]]]) * n)
-        self._space.extend(array("I", [found.id]) * n)
         self._nbytes.extend(sizes)
         self._start.extend(starts)
         self._keys.extend(keys)
         self._flags.extend(bytes([USED | (VERIFIED if verified else 0)]) * n)
         self._sum.extend(checksums)
         self._count += n
+
+    def extend_compact_rows(self, spaces: list[tuple], keys: tuple[bytes, ...],
+                            fingerprints: tuple[str, ...], sizes: tuple[int, ...], starts: array,
+                            checksums: bytes, *, verified: bool) -> int:
+        """``extend_compact`` for a batch whose rows belong to several key spaces (``spaces[i]``
+        is row i's): new slots at the end in row order, so the LRU order after a restart is the
+        order rows were written across spaces too. Returns the first slot. All or nothing."""
+        found = {space: self._spaces.get(space) or self._new_space(space)
+                 for space in dict.fromkeys(spaces)}
+        first, n = len(self._keys), len(keys)
+        done = 0
+        try:
+            for key, slot, space in zip(keys, range(first, first + n), spaces):
+                space_keys = found[space].keys
+                if key in space_keys:
+                    raise KeyError(f"{(space, key)!r} is indexed twice")
+                space_keys[key] = slot
+                done += 1
+        except KeyError:
+            for key, space in zip(keys[:done], spaces):
+                del found[space].keys[key]
+            for space, entry in found.items():  # spaces made for this batch alone
+                if not entry.keys:
+                    del self._spaces[space]
+                    self._space_list[entry.id] = None
+                    self._free_space_ids.append(entry.id)
+            raise
+        ids = {space: entry.id for space, entry in found.items()}
+        self._space.extend(array("I", map(ids.__getitem__, spaces)))
+        self._extend_columns(keys, fingerprints, sizes, starts, checksums, verified)
         return first
 
     def _new_slot(self, space: tuple, key: bytes, fingerprint: str, nbytes: int,

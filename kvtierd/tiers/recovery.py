@@ -12,6 +12,9 @@ trusted at all: ``allocator`` is None and the caller starts cold.
 
 from __future__ import annotations
 
+import collections
+import gc
+import itertools
 import operator
 import struct
 import sys
@@ -38,9 +41,9 @@ class Loaded:
 
 
 class _Loader:
-    """One recovery: rows in batches, each key space's rows of a batch in one go (C-level
-    ``zip``/``join``/``extend`` over the batch); a batch with anything unusual (several runs per
-    chunk, a bad row) takes the row-by-row path."""
+    """One recovery: rows in batches, each batch in one go (C-level ``zip``/``join``/``map``/
+    ``extend`` over its columns); a batch with anything unusual (several runs per chunk, a bad
+    row) takes the row-by-row path."""
 
     def __init__(self, index: ChunkIndex, policy: EvictionPolicy, part_of: Callable[[int], int],
                  num_pages: int, verified: bool) -> None:
@@ -69,36 +72,56 @@ class _Loader:
             count -= step
         return True
 
-    def group(self, space: tuple, rows: list[tuple]) -> bool | None:
-        """Index one key space's rows of a batch at once. None: not this way (the caller goes
-        row by row); False: overlapping rows."""
-        _, _, _, keys, fps, sizes, sums, blobs = zip(*rows)
-        if sys.byteorder != "little" or any(len(b) != 16 for b in blobs) or any(
-                len(c) != CHECKSUM_BYTES for c in sums):
+    def batch(self, rows: list[tuple]) -> bool | None:
+        """Index one batch of rows at once, every step a C-level pass over a column (no Python
+        code per row unless the batch mixes key spaces). None: not this way (the caller goes row
+        by row); False: overlapping rows."""
+        tenants, namespaces, ranks, keys, fps, sizes, sums, blobs = zip(*rows)
+        n = len(keys)
+        if (sys.byteorder != "little" or set(map(len, blobs)) != {16}
+                or set(map(len, sums)) != {CHECKSUM_BYTES} or min(sizes) < 0
+                or max(sizes) >= 1 << 64):
             return None
         runs = array("Q", b"".join(blobs))  # (start, count) pairs, little-endian u64
         starts, counts = runs[0::2], runs[1::2]
-        page_bytes, num_pages = self.index.page_bytes, self.num_pages
-        if (list(counts) != [max(1, -(-n // page_bytes)) for n in sizes]
-                or max(map(operator.add, starts, counts)) > num_pages):
+        page_bytes = self.index.page_bytes
+        pages_of = {size: max(1, -(-size // page_bytes)) for size in set(sizes)}
+        if (array("Q", map(pages_of.__getitem__, sizes)) != counts
+                or max(map(operator.add, starts, counts)) > self.num_pages):
             return None
-        page_map = self.page_map
-        if max(counts) == 1:
-            if any(map(page_map.__getitem__, starts)) or len(set(starts)) != len(starts):
-                self.loaded.overlap = "two rows name the same page"
-                return False
-            for start in starts:
-                page_map[start] = 1
+        if not self.mark_all(starts, counts):
+            return False
+        checksums = b"".join(sums)
+        tenant = tenants[0]
+        one_tenant = tenants.count(tenant) == n
+        if one_tenant and namespaces.count(namespaces[0]) == n and ranks.count(ranks[0]) == n:
+            first = self.index.extend_compact((tenant, namespaces[0], ranks[0]), keys, fps,
+                                              sizes, starts, checksums, verified=self.verified)
         else:
-            for start, count in zip(starts, counts):
-                if not self.mark(start, count):
-                    return False
-        first = self.index.extend_compact(space, keys, fps, sizes, starts, b"".join(sums),
-                                          verified=self.verified)
-        self.policy.insert_many(range(first, first + len(rows)), self.part_of(first))
-        pages = sum(counts)
-        self.loaded.pages += pages
-        self.loaded.tenant_pages[space[0]] += pages
+            first = self.index.extend_compact_rows(list(zip(tenants, namespaces, ranks)), keys,
+                                                   fps, sizes, starts, checksums,
+                                                   verified=self.verified)
+        slots = range(first, first + n)
+        if one_tenant:
+            self.policy.insert_many(slots, self.part_of(first))
+            self.loaded.tenant_pages[tenant] += sum(counts)
+        else:
+            for slot, name, count in zip(slots, tenants, counts):
+                self.policy.insert(slot, self.part_of(slot))
+                self.loaded.tenant_pages[name] += count
+        self.loaded.pages += sum(counts)
+        return True
+
+    def mark_all(self, starts: array, counts: array) -> bool:
+        """Mark the runs of a batch used; False (and ``overlap`` says where) if one overlaps an
+        earlier one or another of the batch."""
+        page_map = self.page_map
+        if max(counts) > 1:
+            return all(map(self.mark, starts, counts))
+        if any(map(page_map.__getitem__, starts)) or len(set(starts)) != len(starts):
+            self.loaded.overlap = "two rows name the same page"
+            return False
+        collections.deque(map(page_map.__setitem__, starts, itertools.repeat(1)), maxlen=0)
         return True
 
     def row(self, tenant: str, ns: str, rank: int, key: bytes, fp: str, nbytes: int,
@@ -114,7 +137,7 @@ class _Loader:
             if count <= 0 or start < 0 or start + count > self.num_pages:
                 fits = False
             pages += count
-        if not fits or pages != max(1, -(-nbytes // self.index.page_bytes)):
+        if not fits or nbytes < 0 or pages != max(1, -(-nbytes // self.index.page_bytes)):
             self.loaded.bad.append(((tenant, ns, rank), key))
             return True
         for start, count in runs:
@@ -132,20 +155,25 @@ def load_rows(db: ChunkIndexDB, index: ChunkIndex, policy: EvictionPolicy,
               part_of: Callable[[int], int], num_pages: int, *, verified: bool,
               progress: Callable[[int], None] | None = None) -> Loaded:
     """Index every row of ``db`` (READY, idle) into a fresh ``index`` and ``policy`` (partition
-    ``part_of(slot)``): in row order within a key space and a batch of rows (the LRU order after
-    a restart is the order rows were written, near enough)."""
-    loader = _Loader(index, policy, part_of, num_pages, verified)
+    ``part_of(slot)``): slots in row order, so the LRU order after a restart is the order rows
+    were written (a row rewritten by ``INSERT OR REPLACE`` counts as written last)."""
+    enabled = gc.isenabled()
+    gc.disable()  # a million rows are a million tuples: no cycles, but gen-2 passes over them
+    try:
+        return _load(db, _Loader(index, policy, part_of, num_pages, verified), progress)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _load(db: ChunkIndexDB, loader: _Loader, progress: Callable[[int], None] | None) -> Loaded:
     done = 0
     for batch in db.row_batches():
-        spaces: dict[tuple, list[tuple]] = {}
-        for row in batch:
-            spaces.setdefault(row[:3], []).append(row)
-        for space, rows in spaces.items():
-            fast = loader.group(space, rows)
-            if fast is False:
-                return loader.loaded
-            if fast is None and not all(loader.row(*row) for row in rows):
-                return loader.loaded
+        fast = loader.batch(batch)
+        if fast is False:
+            return loader.loaded
+        if fast is None and not all(loader.row(*row) for row in batch):
+            return loader.loaded
         done += len(batch)
         if progress is not None and done // PROGRESS_EVERY != (done - len(batch)) // PROGRESS_EVERY:
             progress(done)
