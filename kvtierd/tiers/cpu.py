@@ -209,7 +209,7 @@ class CpuTier(TierIndex):
             return 0
         self.allocator = loaded.allocator
         if loaded.bad:
-            db.delete(loaded.bad)
+            db.delete_stored(loaded.bad)
         self.tenant_pages.clear()
         self.tenant_pages.update(loaded.tenant_pages)
         self.ready_chunks = len(self.index)

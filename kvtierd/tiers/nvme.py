@@ -138,7 +138,7 @@ class NvmeTier(TierIndex):
             self.ready_chunks = len(self.index)
             self.ready_pages = loaded.pages
             if loaded.bad:
-                self.db.delete(loaded.bad)
+                self.db.delete_stored(loaded.bad)
                 log.warning("dropped %d NVMe index rows that named impossible pages",
                             len(loaded.bad))
         log.info("NVMe tier %s: %d chunks recovered in %.2f s (O_DIRECT=%s)", self.directory,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sqlite3
@@ -259,11 +260,89 @@ def test_schema_1_index_is_reset_with_its_reason(path):
     old.commit()
     old.close()
     db = ChunkIndexDB(path, META)
-    assert "schema: '1' -> '2'" in db.reset_reason
+    assert f"schema: '1' -> '{SCHEMA_VERSION}'" in db.reset_reason
     assert db.count() == 0
     new = row(b"new")
     db.insert([new])  # the table has the tenant column now
     assert all_rows(db) == {new.ikey: new}
+    db.close()
+
+
+SCHEMA_2_CHUNKS = (
+    "CREATE TABLE chunks (tenant TEXT NOT NULL, namespace TEXT NOT NULL, rank INTEGER NOT NULL,"
+    " key BLOB NOT NULL, fingerprint TEXT NOT NULL, nbytes INTEGER NOT NULL, checksum BLOB NOT"
+    " NULL, runs BLOB NOT NULL, PRIMARY KEY (tenant, namespace, rank, key))")
+
+
+def schema_2_file(path, rows: list[IndexRow], meta=META) -> None:
+    """An index as a schema-2 daemon wrote it (its DDL, one row per INSERT OR REPLACE)."""
+    old = sqlite3.connect(path)
+    old.execute("PRAGMA journal_mode=WAL")
+    old.execute("CREATE TABLE meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
+    old.execute(SCHEMA_2_CHUNKS)
+    old.executemany("INSERT INTO meta VALUES (?, ?)", {"schema": "2", **meta}.items())
+    for r in rows:
+        old.execute("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (r.tenant, r.namespace, r.rank, r.key, r.fingerprint, r.nbytes, r.checksum,
+                     pack_runs(r.runs)))
+    old.commit()
+    old.close()
+
+
+def test_schema_2_index_is_migrated_keeping_rows_and_their_order(path, caplog):
+    rows = [row(b"k%02d" % i, [(i * 3, 1 + i % 3)], ns=f"ns{i % 2}", rank=i % 3,
+                tenant=f"uid:{1000 + i % 2}", fp=f"fp{i % 4}") for i in range(30)]
+    # rewritten last:
+    rows[5] = row(b"k05", [(200, 1)], ns="ns1", rank=2, tenant="uid:1001", fp="fp1")
+    schema_2_file(path, rows[:5] + rows[6:] + [rows[5]])
+    with caplog.at_level(logging.INFO, logger="kvtierd.tiers.index_db"):
+        db = ChunkIndexDB(path, META)
+    assert db.reset_reason == ""
+    assert "migrated from schema 2 to 3 (30 rows)" in caplog.text
+    assert all_rows(db) == {r.ikey: r for r in rows}
+    spaces, fps = db.space_names(), db.fingerprint_names()
+    stored = [(spaces[s], key, fps[f]) for batch in db.row_batches(batch=7)
+              for s, key, f, *_ in batch]
+    order = rows[:5] + rows[6:] + [rows[5]]
+    assert stored == [((r.tenant, r.namespace, r.rank), r.key, r.fingerprint) for r in order]
+    assert len(spaces) == len({r.ikey[0] for r in rows}) and len(fps) == 4  # each stored once
+    db.delete([rows[0].ikey])
+    db.insert([row(b"new", [(250, 1)])])
+    db.close()
+    db = ChunkIndexDB(path, META)  # the migrated file opens as it is
+    assert db.reset_reason == "" and db.count() == 30
+    db.close()
+
+
+def test_schema_2_index_with_other_meta_is_reset_not_migrated(path):
+    schema_2_file(path, [row(b"a")])
+    db = ChunkIndexDB(path, {**META, "page_bytes": "8192"})
+    assert "page_bytes: '4096' -> '8192'" in db.reset_reason and "schema: '2' -> '3'" in (
+        db.reset_reason)
+    assert db.count() == 0
+    db.insert([row(b"b")])
+    assert [r.key for r in db.rows()] == [b"b"]
+    db.close()
+
+
+def test_failed_insert_leaves_no_id_behind(path):
+    """A new space or fingerprint made by a transaction that rolled back must not be cached:
+    a later row would name an id the file does not have."""
+    db = ChunkIndexDB(path, META)
+    first = row(b"first", tenant="uid:7", ns="fresh", fp="new-fp")
+
+    def then_fail():
+        yield first
+        raise RuntimeError("injected")
+
+    with pytest.raises(RuntimeError):
+        db.insert(then_fail())
+    assert db.space_names() == {} and db.fingerprint_names() == {}
+    again = row(b"again", tenant="uid:7", ns="fresh", fp="new-fp")
+    db.insert([again])
+    assert all_rows(db) == {again.ikey: again}
+    db.delete([again.ikey, (("uid:8", "never", 0), b"k")])  # an unknown space: nothing to delete
+    assert db.count() == 0
     db.close()
 
 
