@@ -156,8 +156,12 @@ class Arena:
         try:
             os.fchmod(fd, 0o600)  # every tenant's KV bytes: the daemon's alone (older files too)
             self._reset_stale(fd, persistent)
-            self.attached = persistent and os.fstat(fd).st_size == nbytes
-            _allocate(fd, self.path, nbytes)
+            info = os.fstat(fd)
+            self.attached = persistent and info.st_size == nbytes
+            # A re-attached arena whose every block is allocated already (the earlier start's
+            # fallocate) skips it: fallocate walks every page of the file (0.3 s per 5 GB).
+            if not (self.attached and info.st_blocks * 512 >= nbytes):
+                _allocate(fd, self.path, nbytes)
             os.ftruncate(fd, nbytes)  # fallocate does not shrink a larger file
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
             self._mmap = mmap.mmap(fd, nbytes, flags=flags)

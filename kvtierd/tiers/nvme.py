@@ -117,18 +117,18 @@ class NvmeTier(TierIndex):
     def _recover(self, status: Callable[[str], None]) -> None:
         """Index every row straight into the compact index (no object per chunk)."""
         started = time.monotonic()
-        total = self.db.count()
+        total = self.db.rows_written()  # COUNT(*) would scan the whole index first
 
         def progress(n: int) -> None:
-            msg = f"recovering NVMe index: {n}/{total} chunks"
+            msg = f"recovering NVMe index: {n} of at most {total} chunks"
             log.info("%s", msg)
             status(msg)
 
         loaded = load_rows(self.db, self.index, self.policy, self.part_of, self.num_pages,
                            verified=True, progress=progress)
         if loaded.allocator is None:  # overlapping rows: the index cannot be trusted
-            log.error("NVMe index names overlapping pages (%s); dropping all %d chunks",
-                      loaded.overlap, total)
+            log.error("NVMe index names overlapping pages (%s); dropping all its chunks",
+                      loaded.overlap)
             self.db.clear()
             self.index = ChunkIndex(self.page_bytes)
             self.policy = make_policy(self.policy_name)

@@ -7,6 +7,7 @@ import fcntl
 import logging
 import os
 import secrets
+import uuid
 
 import pytest
 
@@ -90,3 +91,27 @@ def test_mlock_advice_blames_rlimit_memlock_only_when_it_is_the_cause():
     if capable or soft == resource.RLIM_INFINITY or soft >= 4096:
         small = arena_mod._mlock_advice(errno.ENOMEM, 4096)  # within the limit: not the rlimit
         assert "raise it" not in small
+
+
+def test_reattached_arena_is_allocated_whole_and_keeps_its_bytes():
+    """A re-attach skips fallocate only when every block is there already; a sparse file of the
+    right size (holes: a SIGBUS on first touch when /dev/shm is full) is allocated whole."""
+    name = f"kvtierd-test-{uuid.uuid4().hex}"
+    nbytes = 64 * 4096
+    path = SHM_DIR / name
+    data = os.urandom(4096)
+    with open(path, "wb") as f:  # sparse: one page written, the rest holes
+        f.truncate(nbytes)
+        f.seek(8 * 4096)
+        f.write(data)
+    try:
+        assert os.stat(path).st_blocks * 512 < nbytes
+        arena = Arena(name, nbytes, prefault=False, lock=False, persistent=True)
+        assert arena.attached and os.stat(path).st_blocks * 512 >= nbytes
+        assert bytes(arena.view[8 * 4096:9 * 4096]) == data
+        arena.close(unlink=False)
+        again = Arena(name, nbytes, prefault=False, lock=False, persistent=True)
+        assert again.attached and bytes(again.view[8 * 4096:9 * 4096]) == data
+        again.close(unlink=False)
+    finally:
+        path.unlink(missing_ok=True)

@@ -88,9 +88,12 @@ def test_insert_replaces_a_row_with_the_same_key(path):
 
 def test_rows_iterates_every_row_in_batches(path):
     db = ChunkIndexDB(path, META)
+    assert db.rows_written() == 0
     rows = [row(b"k%03d" % i, [(i, 1)]) for i in range(25)]
     db.insert(rows)
     assert sorted(r.key for r in db.rows(batch=4)) == sorted(r.key for r in rows)
+    db.delete([rows[3].ikey])
+    assert db.count() == 24 and db.rows_written() >= 24  # an upper bound, never a scan
     db.close()
 
 
