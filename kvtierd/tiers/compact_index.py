@@ -308,10 +308,12 @@ class ChunkIndex:
                         verified: bool) -> None:
         """Every column but the space, for new single-run slots at the end (C-level extends)."""
         n = len(keys)
-        fp_ids = {fp: self._fps.take_many(fp, count)
-                  for fp, count in collections.Counter(fingerprints).items()}
-        self._fp.extend(array("I", map(fp_ids.__getitem__, fingerprints)) if len(fp_ids) > 1
-                        else array("I", [fp_ids[fingerprints[0]]]) * n)
+        if fingerprints.count(fingerprints[0]) == n:  # the common case: identity compares only
+            self._fp.extend(array("I", [self._fps.take_many(fingerprints[0], n)]) * n)
+        else:
+            fp_ids = {fp: self._fps.take_many(fp, count)
+                      for fp, count in collections.Counter(fingerprints).items()}
+            self._fp.extend(array("I", map(fp_ids.__getitem__, fingerprints)))
         self._nbytes.extend(sizes)
         self._start.extend(starts)
         self._keys.extend(keys)

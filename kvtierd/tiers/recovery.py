@@ -94,12 +94,14 @@ class _Loader:
         starts, counts = runs[0::2], runs[1::2]
         page_bytes = self.index.page_bytes
         pages_of = {size: max(1, -(-size // page_bytes)) for size in set(sizes)}
-        if (array("Q", map(pages_of.__getitem__, sizes)) != counts
-                or max(map(operator.add, starts, counts)) > self.num_pages):
+        single = max(counts) == 1
+        end = max(starts) + 1 if single else max(map(operator.add, starts, counts))
+        if array("Q", map(pages_of.__getitem__, sizes)) != counts or end > self.num_pages:
             return None
-        if not self.mark_all(starts, counts):
+        if not (self.mark_pages(starts, end) if single else all(map(self.mark, starts, counts))):
             return False
-        fps = tuple(map(self.fingerprints.__getitem__, fids))
+        fps = ((self.fingerprints[fids[0]],) * n if fids.count(fids[0]) == n
+               else tuple(map(self.fingerprints.__getitem__, fids)))
         checksums = b"".join(sums)
         if len(space_ids) == 1:
             space = names[sids[0]]
@@ -123,16 +125,17 @@ class _Loader:
         self.loaded.pages += pages
         return True
 
-    def mark_all(self, starts: array, counts: array) -> bool:
-        """Mark the runs of a batch used; False (and ``overlap`` says where) if one overlaps an
-        earlier one or another of the batch."""
+    def mark_pages(self, starts: array, end: int) -> bool:
+        """Mark one-page runs used (all below ``end``); False if one was already, or two of them
+        are the same page: then fewer bytes turned 1 than runs were marked (one C-level count
+        over the span the batch touched, no set of a batch's pages)."""
         page_map = self.page_map
-        if max(counts) > 1:
-            return all(map(self.mark, starts, counts))
-        if any(map(page_map.__getitem__, starts)) or len(set(starts)) != len(starts):
+        low = min(starts)
+        before = page_map.count(1, low, end)
+        collections.deque(map(page_map.__setitem__, starts, itertools.repeat(1)), maxlen=0)
+        if page_map.count(1, low, end) != before + len(starts):
             self.loaded.overlap = "two rows name the same page"
             return False
-        collections.deque(map(page_map.__setitem__, starts, itertools.repeat(1)), maxlen=0)
         return True
 
     def row(self, sid: int, key: bytes, fid: int, nbytes: int, checksum: bytes,
