@@ -284,7 +284,7 @@ class ChunkIndex:
         return slot
 
     def extend_compact(self, space: tuple, keys: tuple[bytes, ...], fingerprints: tuple[str, ...],
-                       sizes: tuple[int, ...], starts: array, checksums: bytes, *,
+                       sizes: tuple[int, ...] | array, starts: array, checksums: bytes, *,
                        verified: bool) -> int:
         """``add_compact`` for many single-run chunks of one key space at once (recovery): new
         slots at the end, in order; returns the first. All or nothing."""
@@ -304,7 +304,7 @@ class ChunkIndex:
         return first
 
     def _extend_columns(self, keys: tuple[bytes, ...], fingerprints: tuple[str, ...],
-                        sizes: tuple[int, ...], starts: array, checksums: bytes,
+                        sizes: tuple[int, ...] | array, starts: array, checksums: bytes,
                         verified: bool) -> None:
         """Every column but the space, for new single-run slots at the end (C-level extends)."""
         n = len(keys)
@@ -322,8 +322,8 @@ class ChunkIndex:
         self._count += n
 
     def extend_compact_rows(self, spaces: list[tuple], keys: tuple[bytes, ...],
-                            fingerprints: tuple[str, ...], sizes: tuple[int, ...], starts: array,
-                            checksums: bytes, *, verified: bool) -> int:
+                            fingerprints: tuple[str, ...], sizes: tuple[int, ...] | array,
+                            starts: array, checksums: bytes, *, verified: bool) -> int:
         """``extend_compact`` for a batch whose rows belong to several key spaces (``spaces[i]``
         is row i's): new slots at the end in row order, so the LRU order after a restart is the
         order rows were written across spaces too. Returns the first slot. All or nothing."""

@@ -86,30 +86,41 @@ class _Loader:
         n = len(keys)
         space_ids, names = set(sids), self.spaces
         if (sys.byteorder != "little" or set(map(len, blobs)) != {16}
-                or set(map(len, sums)) != {CHECKSUM_BYTES} or min(sizes) < 0
-                or max(sizes) >= 1 << 64 or not space_ids <= names.keys()
+                or set(map(len, sums)) != {CHECKSUM_BYTES} or not space_ids <= names.keys()
                 or not set(fids) <= self.fingerprints.keys()):
+            return None
+        try:
+            nbytes = array("Q", sizes)
+        except (OverflowError, TypeError):  # negative, too large or not an integer
             return None
         runs = array("Q", b"".join(blobs))  # (start, count) pairs, little-endian u64
         starts, counts = runs[0::2], runs[1::2]
         page_bytes = self.index.page_bytes
-        pages_of = {size: max(1, -(-size // page_bytes)) for size in set(sizes)}
-        single = max(counts) == 1
-        end = max(starts) + 1 if single else max(map(operator.add, starts, counts))
-        if array("Q", map(pages_of.__getitem__, sizes)) != counts or end > self.num_pages:
+        distinct = (sizes[0],) if sizes.count(sizes[0]) == n else set(sizes)
+        pages_of = {size: max(1, -(-size // page_bytes)) for size in distinct}
+        page_counts = set(pages_of.values())
+        if (counts.count(page_counts.pop()) != n if len(page_counts) == 1
+                else array("Q", map(pages_of.__getitem__, sizes)) != counts):
             return None
-        if not (self.mark_pages(starts, end) if single else all(map(self.mark, starts, counts))):
-            return False
+        if max(counts) == 1:
+            if max(starts) >= self.num_pages:
+                return None
+            # Overlaps here show at the end: fewer pages marked than indexed (``_load``).
+            collections.deque(map(self.page_map.__setitem__, starts, itertools.repeat(1)),
+                              maxlen=0)
+        elif (max(map(operator.add, starts, counts)) > self.num_pages
+              or not all(map(self.mark, starts, counts))):
+            return None if not self.loaded.overlap else False
         fps = ((self.fingerprints[fids[0]],) * n if fids.count(fids[0]) == n
                else tuple(map(self.fingerprints.__getitem__, fids)))
         checksums = b"".join(sums)
         if len(space_ids) == 1:
             space = names[sids[0]]
-            first = self.index.extend_compact(space, keys, fps, sizes, starts, checksums,
+            first = self.index.extend_compact(space, keys, fps, nbytes, starts, checksums,
                                               verified=self.verified)
         else:
             spaces = list(map(names.__getitem__, sids))
-            first = self.index.extend_compact_rows(spaces, keys, fps, sizes, starts, checksums,
+            first = self.index.extend_compact_rows(spaces, keys, fps, nbytes, starts, checksums,
                                                    verified=self.verified)
         slots = range(first, first + n)
         tenants = {names[sid][0] for sid in space_ids}
@@ -123,19 +134,6 @@ class _Loader:
                 self.policy.insert(slot, self.part_of(slot))
                 tenant_pages[space[0]] += count
         self.loaded.pages += pages
-        return True
-
-    def mark_pages(self, starts: array, end: int) -> bool:
-        """Mark one-page runs used (all below ``end``); False if one was already, or two of them
-        are the same page: then fewer bytes turned 1 than runs were marked (one C-level count
-        over the span the batch touched, no set of a batch's pages)."""
-        page_map = self.page_map
-        low = min(starts)
-        before = page_map.count(1, low, end)
-        collections.deque(map(page_map.__setitem__, starts, itertools.repeat(1)), maxlen=0)
-        if page_map.count(1, low, end) != before + len(starts):
-            self.loaded.overlap = "two rows name the same page"
-            return False
         return True
 
     def row(self, sid: int, key: bytes, fid: int, nbytes: int, checksum: bytes,
@@ -195,5 +193,8 @@ def _load(db: ChunkIndexDB, loader: _Loader, progress: Callable[[int], None] | N
         done += len(batch)
         if progress is not None and done // PROGRESS_EVERY != (done - len(batch)) // PROGRESS_EVERY:
             progress(done)
+    if loader.page_map.count(1) != loader.loaded.pages:  # two one-page rows shared a page
+        loader.loaded.overlap = "two rows name the same page"
+        return loader.loaded
     loader.loaded.allocator = PageAllocator.from_page_map(loader.page_map)
     return loader.loaded
