@@ -22,7 +22,7 @@ Schema 3 stores each key space ``(tenant, namespace, rank)`` and each layout fin
 Why: a restart reads every row, and Python's sqlite3 builds one object per column per row; three
 strings per row were a third of a million-row recovery (1.25 -> 0.87 CPU-s per 1M rows here).
 The view ``chunks`` shows the rows with names, as schema 2's table did (for operators and tests).
-A schema-2 index is migrated at open in one transaction (logged; ~5 s per 1M rows, once).
+A schema-2 index is migrated at open in one transaction (logged; 5-12 CPU-s per 1M rows, once).
 
 The files (the database and SQLite's ``-wal``/``-shm`` beside it) are 0600: they hold tenants,
 namespaces and prefix hashes. SQLite gives the -wal/-shm files the database file's mode, so the
