@@ -63,6 +63,7 @@ class RemoteTier(LowerTier):
     name = "remote"
     tier = Tier.REMOTE
     checks_existence = True  # other nodes publish too: only the store knows
+    batched_reads = True  # one batch_get_into per job (see LowerTier.batched_reads)
 
     def __init__(self, cfg: RemoteConfig, arena: Arena, page_bytes: int,
                  store: MooncakeStore | None = None) -> None:

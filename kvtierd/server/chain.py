@@ -13,8 +13,8 @@ Everything that moves chunks between tiers is written here once, for any ``Lower
 * **Promotion**: a GET hit below reads the chunk into reserved arena pages (the caller parks items
   while the arena is full, as for any promotion), verified by the tier, then commits it. The
   promotions of one loop iteration (a GET batch, a parked retry) are queued per tier and flushed
-  with the writes as read jobs of up to ``READ_JOB_BYTES`` (``LowerTier.read_batch_job``: one
-  batched remote get per job instead of one round trip and one completion per chunk).
+  with the writes as few read jobs (``LowerTier.read_batch_job``, ``READ_JOB_BYTES``): batched
+  remote gets instead of one round trip and one completion per chunk.
 * **Faults**: a failed write drops that chunk from the tier (and, for a demotion, from the arena,
   which it was leaving anyway); a failed or corrupt read drops the copy below and the reader gets a
   miss; a job raising ``TierUnavailable`` opens the tier's circuit for its ``retry_s`` (skipped by
@@ -48,9 +48,9 @@ log = logging.getLogger(__name__)
 #: Writes queued during one loop iteration are flushed as jobs of about this many bytes, so that
 #: many small chunks share one fdatasync (or one batched remote put) and one index transaction.
 WRITE_JOB_BYTES = 32 * 1024**2
-#: Promotions queued during one loop iteration are read in jobs of at most this many bytes, spread
-#: over the tier's I/O threads (a GET of a few chunks still reads them in parallel); a GET
-#: waits for its slowest job, so reads are not gathered as large as writes.
+#: Promotions queued during one loop iteration are read in jobs spread over the tier's I/O threads
+#: (a GET of a few chunks still reads them in parallel) of at most this many bytes (a GET waits
+#: for its slowest job). A tier with batched reads (``LowerTier.batched_reads``) gets one job.
 READ_JOB_BYTES = 16 * 1024**2
 #: Existence checks in flight at once; past it a LOOKUP answers from what the tiers know.
 MAX_CHECKS_IN_FLIGHT = 64
@@ -380,8 +380,9 @@ class TierChain:
                      size)
 
     def _submit_reads(self, link: Link, reads: list[Promotion]) -> None:
-        per_job = min(READ_JOB_BYTES, -(-sum(r.target.nbytes for r in reads)
-                                        // link.engine.threads))
+        total = sum(r.target.nbytes for r in reads)
+        per_job = total if link.tier.batched_reads else min(
+            READ_JOB_BYTES, -(-total // link.engine.threads))
         for batch in split(reads, lambda r: r.target.nbytes, per_job):
             items = [(r.source, r.target.runs, self.cpu.segments(r.target)) for r in batch]
             self._submit(IoJob("promote", link, reads=batch),

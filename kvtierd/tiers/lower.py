@@ -77,7 +77,7 @@ remote tier is another):
     raise, which the chain handles per item as above (one bad item never fails its
     neighbours). After a ``TierUnavailable`` the remaining items need not be tried (they get
     the same error). The default runs ``read_job`` item by item; a store with batched calls
-    (Mooncake ``batch_get_into``) reads them all at once.
+    (Mooncake ``batch_get_into``) reads them all at once and sets ``batched_reads``.
 ``acquire(entry)`` / ``release(entry)``
     Around every read job: a referenced entry is not freed (it may be dropped meanwhile: it is then
     ``doomed`` and freed at the last release).
@@ -177,6 +177,13 @@ class LowerTier(ABC):
     #: its own pool of N threads, so that a slow or hanging tier (network timeouts) never queues
     #: another tier's jobs behind its own. A remote tier should have its own.
     io_threads: int = 0
+    #: How the chain cuts one iteration's promotions into read jobs (``read_batch_job``). False:
+    #: the jobs read item by item (NVMe), so the chain spreads them over the I/O threads for
+    #: parallel I/O. True: a job's reads are batched calls that move their objects concurrently
+    #: themselves (Mooncake), so the chain makes one job: measured on Mooncake over TCP
+    #: (benchmarks/remote_tier.py, 2 MiB objects), four concurrent jobs fetched 0.46-0.63x of
+    #: Mooncake's own sequential batches, one job 0.86-0.88x.
+    batched_reads: bool = False
     #: Seconds the chain skips this tier after a job raised TierUnavailable.
     retry_s: float = 10.0
     #: Set by the chain; every removal from the tier's index calls it.
