@@ -417,9 +417,9 @@ class Daemon:
         self.metrics.sessions.set(len(self.sessions))
         self.tickets.expire(now)
         self.tier.enforce_watermarks()
-        self.mover.flush()
         if self.data.waiting:
             self.data.retry_parked()
+        self.mover.flush()  # after the retry: the promotions it queued start now, not next tick
 
     def _close_session(self, session: Any, reason: str) -> None:
         self.sessions.close(session, reason)
