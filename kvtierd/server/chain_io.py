@@ -81,8 +81,11 @@ def _promote_done(chain: TierChain, job: IoJob, result: Any, error: BaseExceptio
     """Settle each promotion of the job on its own: the job's error (it raised as a whole) or
     the item's entry in the result (``LowerTier.read_batch_job``)."""
     assert job.reads is not None
+    if error is None and (not isinstance(result, list) or len(result) != len(job.reads)):
+        # a tier's bug: every item fails (and is answered) rather than waiting forever
+        error = RuntimeError(f"the {job.link.name} read job answered {result!r:.80} for "
+                             f"{len(job.reads)} items")
     outcomes = [error] * len(job.reads) if error is not None else result
-    assert len(outcomes) == len(job.reads), "a read job answered for other items"
     if error is None:  # an item's TierUnavailable opens the circuit as a job's does
         down = next((o for o in outcomes if isinstance(o, TierUnavailable)), None)
         if down is not None:
