@@ -213,7 +213,8 @@ class Daemon:
         self.data.events = self.events
         if self.events.enabled:
             self.mover.events = ChainEventsAdapter(self.events)
-        self.tier.on_remove = lambda entry: self.events.removed(entry.ikey, "cpu")
+        if self.events.enabled:  # unset, DELETE removes compact chunks without building entries
+            self.tier.on_remove = lambda entry: self.events.removed(entry.ikey, "cpu")
         self.metrics.registry.register(EventsCollector(self.events))
 
     def _quota_pages(self, tenant: str) -> int:

@@ -46,7 +46,9 @@ class ChunkEntry:
     pages: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.pages = sum(count for _, count in self.runs)
+        runs = self.runs
+        # One run is the common case; entries are built per item on the request path.
+        self.pages = runs[0][1] if len(runs) == 1 else sum([count for _, count in runs])
 
     @property
     def evictable(self) -> bool:
@@ -57,6 +59,20 @@ class ChunkEntry:
             and self.pin_count == 0
             and not self.demoting
         )
+
+
+def ready_entry(ikey: Hashable, fingerprint: str, nbytes: int, runs: list[Run], checksum: bytes,
+                on_nvme: bool, verified: bool, slot: int) -> ChunkEntry:
+    """An idle READY chunk's entry, built from its index columns: positional arguments (in
+    field order), because the request path builds one per item and keywords cost twice as much."""
+    return ChunkEntry(ikey, fingerprint, nbytes, runs, 0, ChunkState.READY, checksum, 0, 0, False,
+                      on_nvme, False, verified, slot)
+
+
+def pending_entry(ikey: Hashable, fingerprint: str, nbytes: int, runs: list[Run],
+                  owner: int) -> ChunkEntry:
+    """A new PENDING chunk's entry (a PUT item's reservation), positional like ``ready_entry``."""
+    return ChunkEntry(ikey, fingerprint, nbytes, runs, owner)
 
 
 def tenant_of(ikey: Hashable) -> str:

@@ -31,7 +31,7 @@ from array import array
 from typing import Hashable, Iterator
 
 from kvtierd.tiers.allocator import Run
-from kvtierd.tiers.chunk import ChunkEntry, ChunkState
+from kvtierd.tiers.chunk import ChunkEntry, ChunkState, ready_entry
 
 USED, ACTIVE, ON_NVME, VERIFIED, MULTI = 1, 2, 4, 8, 16
 CHECKSUM_BYTES = 16  # xxh3-128; an entry with another checksum length stays active
@@ -174,11 +174,9 @@ class ChunkIndex:
         runs = (list(self._multi[slot]) if flags & MULTI
                 else [(self._start[slot], max(1, -(-nbytes // self.page_bytes)))])
         i = slot * CHECKSUM_BYTES
-        return ChunkEntry(
-            ikey=(space.space, self._keys[slot]), fingerprint=self._fps.values[self._fp[slot]],
-            nbytes=nbytes, runs=runs, owner=0, state=_READY,
-            checksum=bytes(self._sum[i:i + CHECKSUM_BYTES]), on_nvme=bool(flags & ON_NVME),
-            verified=bool(flags & VERIFIED), slot=slot)
+        return ready_entry((space.space, self._keys[slot]), self._fps.values[self._fp[slot]],
+                           nbytes, runs, bytes(self._sum[i:i + CHECKSUM_BYTES]),
+                           bool(flags & ON_NVME), bool(flags & VERIFIED), slot)
 
     def holds(self, entry: ChunkEntry) -> bool:
         """Whether ``entry`` is the indexed object of its key (``get(entry.ikey) is entry``
@@ -361,6 +359,18 @@ class ChunkIndex:
         del self.active[slot]
         self._loose.discard(slot)
         entry.slot = -1
+        self._unindex(slot)
+
+    def discard_slot(self, slot: int) -> list[Run]:
+        """Unindex the compact chunk of ``slot`` (no entry object exists); returns its runs."""
+        assert self._flags[slot] & USED and not self._flags[slot] & ACTIVE, (
+            f"slot {slot} is free or active")
+        runs = (self._multi[slot] if self._flags[slot] & MULTI
+                else [(self._start[slot], max(1, -(-self._nbytes[slot] // self.page_bytes)))])
+        self._unindex(slot)
+        return runs
+
+    def _unindex(self, slot: int) -> None:
         space = self._space_list[self._space[slot]]
         assert space is not None
         del space.keys[self._keys[slot]]  # type: ignore[arg-type]

@@ -29,7 +29,8 @@ from kvtierd.protocol import Status
 from kvtierd.tiers.allocator import PageAllocator
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.base import TierIndex
-from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments, tenant_of
+from kvtierd.tiers.cpu_batch import CpuBatchOps
+from kvtierd.tiers.chunk import ChunkEntry, ChunkState, pending_entry, segments, tenant_of
 from kvtierd.tiers.compact_index import ACTIVE, ChunkIndex
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
 from kvtierd.tiers.recovery import load_rows
@@ -37,7 +38,7 @@ from kvtierd.tiers.recovery import load_rows
 log = logging.getLogger(__name__)
 
 
-class CpuTier(TierIndex):
+class CpuTier(CpuBatchOps, TierIndex):
     name = "cpu"
 
     def __init__(
@@ -66,7 +67,8 @@ class CpuTier(TierIndex):
         self.policy_name = policy
         # kv-events hook: called for every chunk that leaves the index (evicted, demoted, deleted,
         # dropped after a failed check); set by the daemon.
-        self.on_remove: Callable[[ChunkEntry], None] = lambda entry: None
+        # kv-events hook, set only when events are on: without it DELETE builds no entries.
+        self.on_remove: Callable[[ChunkEntry], None] | None = None
         self.demoter: Callable[[ChunkEntry], bool] | None = None
         # With a persistent arena: its crash-safe index (rows written at commit, deleted before
         # pages are reused). None: a private arena that dies with the process.
@@ -124,7 +126,7 @@ class CpuTier(TierIndex):
             if runs is None:
                 self.counters["reserve_no_space"] += 1
                 return Status.NO_SPACE, None
-        entry = ChunkEntry(ikey=ikey, fingerprint=fingerprint, nbytes=nbytes, runs=runs, owner=owner)
+        entry = pending_entry(ikey, fingerprint, nbytes, runs, owner)
         self.index.add(entry)
         self.pending_chunks += 1
         self.pending_pages += pages
@@ -275,7 +277,8 @@ class CpuTier(TierIndex):
     def _remove(self, entry: ChunkEntry, row_deleted: bool = False) -> None:
         if self.db is not None and not row_deleted:  # the row goes before its pages are reused
             self.db.delete([entry.ikey])
-        self.on_remove(entry)  # kv-events hook
+        if self.on_remove is not None:
+            self.on_remove(entry)  # kv-events hook
         self.policy.remove(entry.slot)
         self.index.discard(entry)
         self.ready_chunks -= 1
