@@ -34,6 +34,7 @@ from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, ready_entry
 
 USED, ACTIVE, ON_NVME, VERIFIED, MULTI = 1, 2, 4, 8, 16
+SUMMED = 32  # the checksum column holds the chunk's checksum: folding it back need not write it
 CHECKSUM_BYTES = 16  # xxh3-128; an entry with another checksum length stays active
 _READY = ChunkState.READY
 
@@ -166,6 +167,22 @@ class ChunkIndex:
             self._loose.add(slot)
         return entry
 
+    def activate(self, slot: int, ikey: Hashable, fingerprint: str) -> ChunkEntry:
+        """``entry(slot)`` of a *compact* slot whose key and fingerprint the caller has just
+        matched (a batched lookup): the same entry, built without looking them up again."""
+        flags = self._flags[slot]
+        nbytes = self._nbytes[slot]
+        runs = (list(self._multi[slot]) if flags & MULTI
+                else [(self._start[slot], -(-nbytes // self.page_bytes) or 1)])
+        i = slot * CHECKSUM_BYTES
+        entry = ready_entry(ikey, fingerprint, nbytes, runs,
+                            bytes(self._sum[i:i + CHECKSUM_BYTES]), bool(flags & ON_NVME),
+                            bool(flags & VERIFIED), slot)
+        self.active[slot] = entry
+        self._flags[slot] = flags | ACTIVE
+        self._loose.add(slot)
+        return entry
+
     def _view(self, slot: int) -> ChunkEntry:
         flags = self._flags[slot]
         nbytes = self._nbytes[slot]
@@ -227,6 +244,10 @@ class ChunkIndex:
         i = slot * CHECKSUM_BYTES
         return bytes(self._sum[i:i + CHECKSUM_BYTES])
 
+    def checksum_column(self, slot: int) -> bytes:
+        i = slot * CHECKSUM_BYTES
+        return bytes(self._sum[i:i + CHECKSUM_BYTES])
+
     def set_on_nvme(self, slot: int, on_nvme: bool) -> None:
         entry = self.active.get(slot)
         if entry is not None:
@@ -275,7 +296,7 @@ class ChunkIndex:
             self.add(entry)
             return entry.slot
         slot = self._new_slot(space, key, fingerprint, nbytes, runs)
-        self._flags[slot] = (USED | (VERIFIED if verified else 0)
+        self._flags[slot] = (USED | SUMMED | (VERIFIED if verified else 0)
                              | (MULTI if len(runs) != 1 else 0))
         i = slot * CHECKSUM_BYTES
         self._sum[i:i + CHECKSUM_BYTES] = checksum
@@ -401,10 +422,11 @@ class ChunkIndex:
             if (entry is None or entry.state is not _READY or entry.ref_count or entry.pin_count
                     or entry.demoting or entry.doomed or len(entry.checksum) != CHECKSUM_BYTES):
                 continue
-            i = slot * CHECKSUM_BYTES
-            sums[i:i + CHECKSUM_BYTES] = entry.checksum
-            flags[slot] = ((flags[slot] & (USED | MULTI)) | (ON_NVME if entry.on_nvme else 0)
-                           | (VERIFIED if entry.verified else 0))
+            if not flags[slot] & SUMMED:  # a new commit; a chunk's checksum never changes after
+                i = slot * CHECKSUM_BYTES
+                sums[i:i + CHECKSUM_BYTES] = entry.checksum
+            flags[slot] = ((flags[slot] & (USED | MULTI)) | SUMMED
+                           | (ON_NVME if entry.on_nvme else 0) | (VERIFIED if entry.verified else 0))
             del active[slot]
             folded += 1
         self._loose.clear()
@@ -432,6 +454,8 @@ class ChunkIndex:
             assert entry.fingerprint == self._fps.values[self._fp[slot]]
             assert entry.nbytes == self._nbytes[slot] and entry.runs[0][0] == self._start[slot]
             assert bool(self._flags[slot] & MULTI) == (len(entry.runs) != 1)
+            assert not self._flags[slot] & SUMMED or entry.checksum == self.checksum_column(slot), (
+                f"slot {slot}: its checksum column is stale")
         actives = sum(1 for f in self._flags if f & ACTIVE)
         assert actives == len(self.active), "ACTIVE flags and active entries disagree"
         assert len(self._free_slots) == len(self._keys) - self._count, "free slots drifted"

@@ -120,7 +120,7 @@ class CpuBatchOps:
         if found is None:
             return [_MISS] * len(keys)
         get, active, fps = found.keys.get, index.active, index.fp_column
-        fp, entry_of = index.fingerprint_id(fingerprint), index.entry
+        fp, activate = index.fingerprint_id(fingerprint), index.activate
         out: list[ChunkEntry | int] = []
         hits: list[int] = []
         held = mismatches = 0
@@ -135,7 +135,7 @@ class CpuBatchOps:
                     out.append(_MISMATCH)
                     mismatches += 1
                     continue
-                entry = entry_of(slot)
+                entry = activate(slot, (space, key), fingerprint)
             elif entry.state is not _READY:
                 out.append(_MISS)
                 continue
