@@ -115,18 +115,22 @@ class DataOps:
         loop reserves the next)."""
         session = batch.session
         space, fingerprint, owner = session.space, session.fingerprint, session.id
-        pending, add = session.pending.add, queue.add
+        pending = session.pending.add
         step = max(1, queue.target // max(1, valid[0][3]))
         for first in range(0, len(valid), step):
             group = valid[first:first + step]
             reserved = self.tier.reserve_many(space, [item[1] for item in group],
                                               [item[3] for item in group], fingerprint, owner)
+            job = []
+            nbytes_job = 0
             for (i, key, offset, nbytes), (status, entry) in zip(group, reserved):
                 if entry is None:
                     self._refused(batch, i, status, key, offset, nbytes)
                 else:
                     pending(entry)
-                    add((i, entry, offset), nbytes)
+                    job.append((i, entry, offset))
+                    nbytes_job += nbytes
+            queue.add_many(job, nbytes_job)
 
     def _reserve_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
                       nbytes: int) -> None:
@@ -243,7 +247,7 @@ class DataOps:
         """``_get_item`` for checked items of a session with shared staging and no lower tiers:
         a job's worth of lookups and acquisitions per ``acquire_many``."""
         session = batch.session
-        results, add = batch.results, queue.add
+        results = batch.results
         step = max(1, queue.target // max(1, valid[0][3]))
         for first in range(0, len(valid), step):
             group = valid[first:first + step]
@@ -252,11 +256,15 @@ class DataOps:
             batch.ghost_keys.extend(keys)
             found = self.tier.acquire_many(session.space, keys, [item[3] for item in group],
                                            session.fingerprint)
+            job = []
+            nbytes_job = 0
             for (i, _, offset, nbytes), entry in zip(group, found):
                 if type(entry) is int:
                     results[i] = entry
                 else:
-                    add((i, entry, offset), nbytes)
+                    job.append((i, entry, offset))
+                    nbytes_job += nbytes
+            queue.add_many(job, nbytes_job)
 
     def _get_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
                   nbytes: int) -> None:

@@ -286,6 +286,40 @@ class ChunkIndex:
         if entry.state is _READY:
             self._loose.add(slot)
 
+    def add_many(self, space: tuple, fingerprint: str, entries: list[ChunkEntry]) -> None:
+        """``add`` of new single-run entries of one key space and one fingerprint (a PUT's
+        reservations: their keys are free and distinct), with the space and the fingerprint
+        looked up once instead of per entry."""
+        found = self._spaces.get(space)
+        if found is None:
+            found = self._new_space(space)
+        keys, active, free = found.keys, self.active, self._free_slots
+        fp, sid, flag = self._fps.take_many(fingerprint, len(entries)), found.id, USED | ACTIVE
+        for entry in entries:
+            key = entry.ikey[1]
+            assert key not in keys and len(entry.runs) == 1, f"{entry.ikey!r} cannot be added"
+            if free:
+                slot = free.pop()
+                self._space[slot] = sid
+                self._fp[slot] = fp
+                self._nbytes[slot] = entry.nbytes
+                self._start[slot] = entry.runs[0][0]
+                self._keys[slot] = key
+                self._flags[slot] = flag
+            else:
+                slot = len(self._keys)
+                self._space.append(sid)
+                self._fp.append(fp)
+                self._nbytes.append(entry.nbytes)
+                self._start.append(entry.runs[0][0])
+                self._keys.append(key)
+                self._flags.append(flag)
+                self._sum.extend(bytes(CHECKSUM_BYTES))
+            keys[key] = slot
+            entry.slot = slot
+            active[slot] = entry
+        self._count += len(entries)
+
     def add_compact(self, space: tuple, key: bytes, fingerprint: str, nbytes: int,
                     checksum: bytes, runs: list[Run], *, verified: bool) -> int:
         """Index an idle READY chunk straight into columns (recovery: no object per chunk)."""

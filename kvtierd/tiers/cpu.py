@@ -8,6 +8,8 @@ Primitives (all called from the daemon's request loop, never concurrently):
 * ``acquire(entry)`` / ``release(entry)`` around every copy out of the arena
 * ``pin(entry)`` / ``unpin(entry)`` for leases
 * ``delete(ikey)``, ``enforce_watermarks()``, ``check_invariants()``
+* the same for a batch of one key space (``kvtierd.tiers.cpu_batch``): ``reserve_many``,
+  ``commit_many``, ``acquire_many``, ``release_read``, ``delete_many``
 
 Per-tenant quotas (``quota_pages(tenant)``, 0 = none): a tenant's pages (pending included, chunks
 on their way to NVMe excluded) may not pass its quota. A reservation that would pass it evicts the
@@ -66,8 +68,8 @@ class CpuTier(CpuBatchOps, TierIndex):
         self.on_evict = on_evict
         self.policy_name = policy
         # kv-events hook: called for every chunk that leaves the index (evicted, demoted, deleted,
-        # dropped after a failed check); set by the daemon.
-        # kv-events hook, set only when events are on: without it DELETE builds no entries.
+        # dropped after a failed check); set by the daemon only when events are on (unset,
+        # DELETE removes compact chunks without building entries: CpuBatchOps.delete_many).
         self.on_remove: Callable[[ChunkEntry], None] | None = None
         self.demoter: Callable[[ChunkEntry], bool] | None = None
         # With a persistent arena: its crash-safe index (rows written at commit, deleted before

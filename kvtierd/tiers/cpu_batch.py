@@ -26,6 +26,9 @@ _MISS, _MISMATCH, _SIZE, _BUSY = (int(Status.MISS), int(Status.LAYOUT_MISMATCH),
                                   int(Status.SIZE_MISMATCH), int(Status.BUSY))
 _OK = int(Status.OK)
 _READY, _PENDING = ChunkState.READY, ChunkState.PENDING
+#: Allocator passes per reserve_many before the rest goes item by item: each pass after the first
+#: follows an eviction down to the low watermark, so a batch rarely needs more than two.
+_FAST_ROUNDS = 8
 
 
 class CpuBatchOps:
@@ -38,44 +41,71 @@ class CpuBatchOps:
 
         Equal-sized items of a tenant without a quota (the common batch) take their pages in one
         allocator pass (``PageAllocator.allocate_many``: the same runs the per-item first fit
-        gives); whatever that pass cannot place, and every other batch, goes through ``reserve``
-        one by one, which evicts as it needs."""
+        gives) for as many items as it can place; the first item it cannot place goes through
+        ``reserve``, which evicts, and the items after it are looked at again (the eviction may
+        have removed some of their keys), exactly as one-by-one reservation sees them. Every
+        other batch goes through ``reserve`` item by item."""
         n = len(keys)
         if not n:
             return []
         pages = self.pages_for(sizes[0])
+        out: list[tuple[Status, ChunkEntry | None]] = [(Status.OK, None)] * n
         if (self.pages_for(max(sizes)) != pages or self.pages_for(min(sizes)) != pages
                 or pages > self.num_pages or self.quota_pages(space[0])):
-            return [self.reserve((space, key), fingerprint, nbytes, owner)
-                    for key, nbytes in zip(keys, sizes)]
+            return self._reserve_each(out, 0, space, keys, sizes, fingerprint, owner)
+        pos = 0
+        for _ in range(_FAST_ROUNDS):
+            pos = self._reserve_run(out, pos, pages, space, keys, sizes, fingerprint, owner)
+            if pos >= n:
+                return out
+            # Item ``pos`` found no single run: one by one, evicting as reserve does.
+            out[pos] = self.reserve((space, keys[pos]), fingerprint, sizes[pos], owner)
+            pos += 1
+            if pos >= n or self.allocator.free_pages < pages:
+                break
+        return self._reserve_each(out, pos, space, keys, sizes, fingerprint, owner)
+
+    def _reserve_each(self: CpuTier, out: list, pos: int, space: tuple, keys: Sequence[bytes],
+                      sizes: Sequence[int], fingerprint: str, owner: int) -> list:
+        for i in range(pos, len(keys)):
+            out[i] = self.reserve((space, keys[i]), fingerprint, sizes[i], owner)
+        return out
+
+    def _reserve_run(self: CpuTier, out: list, pos: int, pages: int, space: tuple,
+                     keys: Sequence[bytes], sizes: Sequence[int], fingerprint: str,
+                     owner: int) -> int:
+        """Reserve items ``pos..`` of ``pages`` pages each without evicting, up to the first one
+        that finds no single run; returns its position (``len(keys)``: all done)."""
         index = self.index
         found = index.key_space(space)
         known = found.keys if found is not None else {}
-        out: list[tuple[Status, ChunkEntry | None]] = [(Status.OK, None)] * n
         fresh: dict[bytes, int] = {}  # key -> position, for the items that need pages
-        for pos, key in enumerate(keys):
+        for i in range(pos, len(keys)):  # side-effect free: what each item will be
+            key = keys[i]
+            if key not in fresh and known.get(key, -1) < 0:
+                fresh[key] = i
+        runs = self.allocator.allocate_many(pages, len(fresh)) if fresh else []
+        end = len(keys) if len(runs) == len(fresh) else list(fresh.values())[len(runs)]
+        entries = []
+        for i in range(pos, end):
+            key = keys[i]
             slot = known.get(key, -1)
             if slot >= 0:
-                out[pos] = (self._existing_status(slot, fingerprint, sizes[pos]), None)
-            elif key in fresh:  # twice in one batch: the first is PENDING when the second comes
-                out[pos] = (Status.BUSY, None)
+                out[i] = (self._existing_status(slot, fingerprint, sizes[i]), None)
+            elif fresh[key] != i:  # twice in one batch: the first is PENDING when the second comes
+                out[i] = (Status.BUSY, None)
             else:
-                fresh[key] = pos
-        runs = self.allocator.allocate_many(pages, len(fresh)) if fresh else []
-        add = index.add
-        placed = 0
-        for (key, pos), run in zip(fresh.items(), runs):
-            entry = pending_entry((space, key), fingerprint, sizes[pos], [run], owner)
-            add(entry)
-            out[pos] = (Status.OK, entry)
-            placed += 1
-        if placed:
+                entry = pending_entry((space, key), fingerprint, sizes[i], [runs[len(entries)]],
+                                      owner)
+                entries.append(entry)
+                out[i] = (Status.OK, entry)
+        if entries:
+            index.add_many(space, fingerprint, entries)
+            placed = len(entries)
             self.pending_chunks += placed
             self.pending_pages += placed * pages
             self.tenant_pages[space[0]] += placed * pages
-        for key, pos in list(fresh.items())[placed:]:  # out of single runs: one by one
-            out[pos] = self.reserve((space, key), fingerprint, sizes[pos], owner)
-        return out
+        return end
 
     def commit_many(self: CpuTier, entries: Sequence[ChunkEntry],
                     checksums: Sequence[bytes]) -> None:
