@@ -27,7 +27,7 @@ class ChunkState(enum.Enum):
     READY = "ready"
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, init=False)
 class ChunkEntry:
     ikey: Hashable  # (space, key): the index key; space = (tenant, namespace, rank)
     fingerprint: str  # layout fingerprint of the writer; a reader must present the same
@@ -45,9 +45,27 @@ class ChunkEntry:
     slot: int = -1  # the chunk's slot in its tier's ChunkIndex; -1 once it left the index
     pages: int = field(init=False)
 
-    def __post_init__(self) -> None:
-        runs = self.runs
-        # One run is the common case; entries are built per item on the request path.
+    # Written out rather than generated (with a __post_init__ for ``pages``): the request path
+    # builds entries per item, and the extra frame was a tenth of a GET item's cost.
+    def __init__(self, ikey: Hashable, fingerprint: str, nbytes: int, runs: list[Run], owner: int,
+                 state: ChunkState = ChunkState.PENDING, checksum: bytes = b"",
+                 ref_count: int = 0, pin_count: int = 0, doomed: bool = False,
+                 on_nvme: bool = False, demoting: bool = False, verified: bool = True,
+                 slot: int = -1) -> None:
+        self.ikey = ikey
+        self.fingerprint = fingerprint
+        self.nbytes = nbytes
+        self.runs = runs
+        self.owner = owner
+        self.state = state
+        self.checksum = checksum
+        self.ref_count = ref_count
+        self.pin_count = pin_count
+        self.doomed = doomed
+        self.on_nvme = on_nvme
+        self.demoting = demoting
+        self.verified = verified
+        self.slot = slot
         self.pages = runs[0][1] if len(runs) == 1 else sum([count for _, count in runs])
 
     @property

@@ -217,3 +217,17 @@ def test_allocate_many_is_repeated_first_fit(seed):
     assert b.allocate_many(count, n) == one_by_one
     assert a.free_runs() == b.free_runs() and a.free_pages == b.free_pages
     b.check_invariants()
+
+
+def test_entry_init_takes_every_field():
+    """ChunkEntry's __init__ is written out (kvtierd.tiers.chunk): a field added to the class
+    must be added there too."""
+    import dataclasses
+    import inspect
+
+    from kvtierd.tiers.chunk import ChunkEntry
+
+    params = set(inspect.signature(ChunkEntry.__init__).parameters) - {"self"}
+    assert params == {f.name for f in dataclasses.fields(ChunkEntry) if f.init}
+    entry = ChunkEntry(("s", b"k"), "fp", 5000, [(3, 1), (9, 1)], owner=2)
+    assert (entry.pages, entry.state, entry.slot, entry.verified) == (2, ChunkState.PENDING, -1, True)
