@@ -17,7 +17,9 @@ does only what is per item — validate, reserve or look up, queue the copy — 
 is done once per batch or per copy job: copies go out in jobs of a few MiB while later items are
 still being reserved (``kvtierd.server.batch``), a job's completion commits or releases its
 chunks in one pass, and metrics, hit accounting and the ghost feed are updated per job or per
-reply, with the same counts per scrape as per-item updates would give.
+reply, with the same counts per scrape as per-item updates would give. Without lower tiers and
+with shared staging (the common case), checked items are reserved or looked up a job's worth per
+call of the CPU tier's batch primitives (``kvtierd.server.fast_path``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from kvtierd.events import NO_EVENTS, NoEvents
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import MAX_KEY_BYTES, Op, ProtocolError, Status, Tier, reply
-from kvtierd.server import requests
+from kvtierd.server import fast_path, requests
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.batch import MAX_JOB_BYTES, Batch, JobQueue, job_bytes
 from kvtierd.server.chain import ChainEvents, TierChain
@@ -105,32 +107,8 @@ class DataOps:
             else:
                 self._reserve_item(batch, queue, i, key, offset, nbytes)
         if valid:
-            self._reserve_fast(batch, queue, valid)
+            fast_path.reserve_items(self.tier, batch, queue, valid, self._refused)
         return self._built(batch, queue)
-
-    def _reserve_fast(self, batch: Batch, queue: JobQueue,
-                      valid: list[tuple[int, bytes, int, int]]) -> None:
-        """Reserve and queue checked items of a session with shared staging and no lower tiers,
-        a job's worth per ``reserve_many`` (the copy threads start on the first job while the
-        loop reserves the next)."""
-        session = batch.session
-        space, fingerprint, owner = session.space, session.fingerprint, session.id
-        pending = session.pending.add
-        step = max(1, queue.target // max(1, valid[0][3]))
-        for first in range(0, len(valid), step):
-            group = valid[first:first + step]
-            reserved = self.tier.reserve_many(space, [item[1] for item in group],
-                                              [item[3] for item in group], fingerprint, owner)
-            job = []
-            nbytes_job = 0
-            for (i, key, offset, nbytes), (status, entry) in zip(group, reserved):
-                if entry is None:
-                    self._refused(batch, i, status, key, offset, nbytes)
-                else:
-                    pending(entry)
-                    job.append((i, entry, offset))
-                    nbytes_job += nbytes
-            queue.add_many(job, nbytes_job)
 
     def _reserve_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
                       nbytes: int) -> None:
@@ -235,36 +213,12 @@ class DataOps:
             else:
                 self._get_item(batch, queue, i, key, offset, nbytes)
         if valid:
-            self._get_fast(batch, queue, valid)
+            fast_path.get_items(self.tier, batch, queue, valid)
         done = self._built(batch, queue)
         if done is not None and staging is None:
             self.finish(batch, done, deferred=False)  # sent tracked: its bytes count until sent
             return None
         return None if done is None else (done, batch.out_frames)
-
-    def _get_fast(self, batch: Batch, queue: JobQueue,
-                  valid: list[tuple[int, bytes, int, int]]) -> None:
-        """``_get_item`` for checked items of a session with shared staging and no lower tiers:
-        a job's worth of lookups and acquisitions per ``acquire_many``."""
-        session = batch.session
-        results = batch.results
-        step = max(1, queue.target // max(1, valid[0][3]))
-        for first in range(0, len(valid), step):
-            group = valid[first:first + step]
-            keys = [item[1] for item in group]
-            # As in _get_item: the read refreshes the key in the ghosts.
-            batch.ghost_keys.extend(keys)
-            found = self.tier.acquire_many(session.space, keys, [item[3] for item in group],
-                                           session.fingerprint)
-            job = []
-            nbytes_job = 0
-            for (i, _, offset, nbytes), entry in zip(group, found):
-                if type(entry) is int:
-                    results[i] = entry
-                else:
-                    job.append((i, entry, offset))
-                    nbytes_job += nbytes
-            queue.add_many(job, nbytes_job)
 
     def _get_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
                   nbytes: int) -> None:
