@@ -206,14 +206,14 @@ class DataOps:
                 if problem is not None:
                     batch.fail(i, *problem)
                     continue
+            if fast:  # its lease is consumed right before its lookup, as below
+                valid.append((i, key, offset, nbytes))
+                continue
             if leases:  # a GET consumes the lease
                 self.sessions.release_lease(session, (session.space, key))
-            if fast:
-                valid.append((i, key, offset, nbytes))
-            else:
-                self._get_item(batch, queue, i, key, offset, nbytes)
+            self._get_item(batch, queue, i, key, offset, nbytes)
         if valid:
-            fast_path.get_items(self.tier, batch, queue, valid)
+            fast_path.get_items(self.tier, batch, queue, valid, self.sessions)
         done = self._built(batch, queue)
         if done is not None and staging is None:
             self.finish(batch, done, deferred=False)  # sent tracked: its bytes count until sent

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from kvtierd.protocol import Status
 from kvtierd.server.batch import Batch, JobQueue
+from kvtierd.server.sessions import SessionTable
 from kvtierd.tiers.cpu import CpuTier
 
 Item = tuple[int, bytes, int, int]  # (item index, key, staging offset, nbytes), checked
@@ -49,12 +50,18 @@ def reserve_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item
         queue.add_many(job, job_bytes)
 
 
-def get_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item]) -> None:
-    """Look up, acquire and queue checked GET items (a miss is answered in ``results``)."""
+def get_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item],
+              sessions: SessionTable) -> None:
+    """Look up, acquire and queue checked GET items (a miss is answered in ``results``). An
+    item's lease is released just before its group is acquired: never a window in which a copy
+    completing inline could let an eviction take a chunk that is neither leased nor acquired."""
     session = batch.session
     results = batch.results
     for group in _groups(queue, items):
         keys = [item[1] for item in group]
+        if session.leases:  # a GET consumes the lease
+            for key in keys:
+                sessions.release_lease(session, (session.space, key))
         batch.ghost_keys.extend(keys)  # the read refreshes the key in the ghosts, hit or not
         found = tier.acquire_many(session.space, keys, [item[3] for item in group],
                                   session.fingerprint)

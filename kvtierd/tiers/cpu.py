@@ -102,7 +102,10 @@ class CpuTier(CpuBatchOps, TierIndex):
         return max(1, -(-nbytes // self.page_bytes))
 
     def segments(self, entry: ChunkEntry) -> list[tuple[int, int]]:
-        return segments(entry.runs, entry.nbytes, self.page_bytes)
+        runs = entry.runs
+        if len(runs) == 1:  # most chunks (copy threads ask per item): the run holds the payload
+            return [(runs[0][0] * self.page_bytes, entry.nbytes)]
+        return segments(runs, entry.nbytes, self.page_bytes)
 
     # -- writes ----------------------------------------------------------------------------------
     def reserve(

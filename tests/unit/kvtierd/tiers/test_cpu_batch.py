@@ -231,3 +231,16 @@ def test_entry_init_takes_every_field():
     assert params == {f.name for f in dataclasses.fields(ChunkEntry) if f.init}
     entry = ChunkEntry(("s", b"k"), "fp", 5000, [(3, 1), (9, 1)], owner=2)
     assert (entry.pages, entry.state, entry.slot, entry.verified) == (2, ChunkState.PENDING, -1, True)
+
+
+def test_single_run_segments_shortcut_matches_the_general_one(pair):
+    from kvtierd.tiers.chunk import segments
+
+    tier = pair[0]
+    rng = random.Random(5)
+    for _ in range(200):
+        nbytes = rng.randint(1, 6 * PAGE)
+        status, entry = tier.reserve((SPACE, b"seg"), "fp", nbytes, owner=1)
+        assert status is Status.OK
+        assert tier.segments(entry) == segments(entry.runs, entry.nbytes, PAGE)
+        tier.abort(entry)
