@@ -12,6 +12,12 @@ may commit the arena copy: a mismatch raises ``IntegrityError`` (the chain drops
 queues the object's removal from the store, and counts
 ``kvtierd_integrity_failures_total{tier="remote"}``).
 
+Reads are batched (``read_batch_job``, ``batched_reads``): the chain hands the tier all the
+promotions of one loop iteration (one GET, a parked retry) as one job, read with one
+``batch_get_into_multi_buffers`` per ``max_batch`` objects and verified object by object, so a
+missing or corrupt object is a miss for its item only. One call per chunk cost a round trip each
+(fetch was 0.26-0.50x of Mooncake's own batched client).
+
 Connection: the first job connects (blocking, on an I/O thread, never at start on the loop): a
 daemon whose master is down starts and serves its local tiers; each failed attempt raises
 ``TierUnavailable`` so the chain retries after ``retry_s``. Mooncake itself reconnects to a
@@ -23,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 from kvtierd.config_remote import RemoteConfig
@@ -33,7 +40,7 @@ from kvtierd.remote.mooncake import MooncakeStore, RemoteSetupError
 from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments
-from kvtierd.tiers.lower import IntegrityError, Job, LowerTier, TierUnavailable
+from kvtierd.tiers.lower import IntegrityError, Job, LowerTier, TierUnavailable, detached
 
 
 #: How long an existence check's "absent" answer is trusted (another node may publish it since).
@@ -48,10 +55,21 @@ class RemoteWriteFailed(Exception):
     """Some objects of a write job were refused by the store (no space, ...): the job fails."""
 
 
+@dataclass(frozen=True)
+class _Read:
+    """One object of a read job: its name, the chunk, and where its payload lands."""
+
+    name: str
+    entry: ChunkEntry
+    segments: list[tuple[int, int]]  # arena view byte ranges, payload order
+    buffers: list[tuple[int, int]]  # the same as registered addresses
+
+
 class RemoteTier(LowerTier):
     name = "remote"
     tier = Tier.REMOTE
     checks_existence = True  # other nodes publish too: only the store knows
+    batched_reads = True  # one batch_get_into per job (see LowerTier.batched_reads)
 
     def __init__(self, cfg: RemoteConfig, arena: Arena, page_bytes: int,
                  store: MooncakeStore | None = None) -> None:
@@ -181,28 +199,59 @@ class RemoteTier(LowerTier):
     # -- reads -------------------------------------------------------------------------------------
     def read_job(self, entry: ChunkEntry, arena: Arena, dst_runs: list[Run],
                  dst_segments: list[tuple[int, int]]) -> Job:
-        name = self.name_of(entry.ikey, entry.fingerprint)
-        nbytes = sum(length for _, length in dst_segments)
-        buffers = [(arena.address + offset, length) for offset, length in dst_segments]
-        ikey, fingerprint = entry.ikey, entry.fingerprint
+        batch = self.read_batch_job([(entry, dst_runs, dst_segments)], arena)
 
         def job() -> bytes:
-            raw = self._ready().get([name], [buffers])[0]
-            if raw is None:
-                with self._missing_lock:
-                    self._missing.add(name)
-                raise RemoteMiss(f"{name}: not in the store (or not {nbytes} bytes)")
-            try:
-                header = objects.check_header(raw, name, ikey, fingerprint, nbytes)
-            except objects.HeaderMismatch as exc:
-                raise IntegrityError(f"remote object {name}: {exc}") from None
-            got = payload_checksum(arena.view, dst_segments)
-            if got != header.checksum:
-                raise IntegrityError(f"remote object {name}: payload checksum {got.hex()} "
-                                     f"differs from its header's {header.checksum.hex()}")
-            return got
+            result = batch()[0]
+            if isinstance(result, Exception):
+                raise result
+            return result
 
         return job
+
+    def read_batch_job(self, items: list[tuple[ChunkEntry, list[Run], list[tuple[int, int]]]],
+                       arena: Arena) -> Job:
+        """All the items' objects with one ``batch_get_into`` per ``max_batch`` (Mooncake moves
+        them concurrently; one call per chunk paid a round trip each), each verified on its
+        own: a missing or corrupt object is that item's miss, never its neighbours'."""
+        reads = [_Read(self.name_of(entry.ikey, entry.fingerprint), entry, segs,
+                       [(arena.address + offset, length) for offset, length in segs])
+                 for entry, _, segs in items]
+        step = self.cfg.max_batch
+
+        def job() -> list[bytes | Exception]:
+            store = self._ready()
+            out: list[bytes | Exception] = []
+            for start in range(0, len(reads), step):
+                part = reads[start : start + step]
+                try:
+                    raws = store.get([r.name for r in part], [r.buffers for r in part])
+                except TierUnavailable as exc:  # the rest would only wait for the same timeout
+                    out.extend([detached(exc)] * (len(reads) - start))
+                    break
+                out.extend(self._verified(arena, read, raw) for read, raw in zip(part, raws))
+            return out
+
+        return job
+
+    def _verified(self, arena: Arena, read: _Read, raw: bytes | None) -> bytes | Exception:
+        """The payload's checksum if ``raw`` (the header read) and the payload are this chunk's;
+        else the item's error (on an I/O thread: only ``_missing`` is shared, under its lock)."""
+        nbytes = sum(length for _, length in read.segments)
+        if raw is None:
+            with self._missing_lock:
+                self._missing.add(read.name)
+            return RemoteMiss(f"{read.name}: not in the store (or not {nbytes} bytes)")
+        try:
+            header = objects.check_header(raw, read.name, read.entry.ikey,
+                                          read.entry.fingerprint, nbytes)
+        except objects.HeaderMismatch as exc:
+            return IntegrityError(f"remote object {read.name}: {exc}")
+        got = payload_checksum(arena.view, read.segments)
+        if got != header.checksum:
+            return IntegrityError(f"remote object {read.name}: payload checksum {got.hex()} "
+                                  f"differs from its header's {header.checksum.hex()}")
+        return got
 
     def acquire(self, entry: ChunkEntry) -> None:
         entry.ref_count += 1

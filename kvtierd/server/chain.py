@@ -11,7 +11,10 @@ Everything that moves chunks between tiers is written here once, for any ``Lower
 * **Publishing on commit** (``on-commit``, NVMe's write-through): every commit also starts a write;
   the arena copy stays. With an admission filter (``after_reads``) it starts at the N-th read.
 * **Promotion**: a GET hit below reads the chunk into reserved arena pages (the caller parks items
-  while the arena is full, as for any promotion), verified by the tier, then commits it.
+  while the arena is full, as for any promotion), verified by the tier, then commits it. The
+  promotions of one loop iteration (a GET batch, a parked retry) are queued per tier and flushed
+  with the writes as few read jobs (``LowerTier.read_batch_job``, ``READ_JOB_BYTES``): batched
+  remote gets instead of one round trip and one completion per chunk.
 * **Faults**: a failed write drops that chunk from the tier (and, for a demotion, from the arena,
   which it was leaving anyway); a failed or corrupt read drops the copy below and the reader gets a
   miss; a job raising ``TierUnavailable`` opens the tier's circuit for its ``retry_s`` (skipped by
@@ -30,7 +33,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.metrics import DaemonMetrics
@@ -45,9 +48,31 @@ log = logging.getLogger(__name__)
 #: Writes queued during one loop iteration are flushed as jobs of about this many bytes, so that
 #: many small chunks share one fdatasync (or one batched remote put) and one index transaction.
 WRITE_JOB_BYTES = 32 * 1024**2
+#: Promotions queued during one loop iteration are read in jobs spread over the tier's I/O threads
+#: (a GET of a few chunks still reads them in parallel) of at most this many bytes (a GET waits
+#: for its slowest job). A tier with batched reads (``LowerTier.batched_reads``) gets one job.
+READ_JOB_BYTES = 16 * 1024**2
 #: Existence checks in flight at once; past it a LOOKUP answers from what the tiers know.
 MAX_CHECKS_IN_FLIGHT = 64
 WRITE_KINDS = ("demote", "write_through")
+T = TypeVar("T")
+
+
+def split(items: list[T], nbytes: Callable[[T], int], per_job: int) -> list[list[T]]:
+    """``items`` in order, cut into jobs of about ``per_job`` bytes (a job ends with the item
+    that reaches it; one item larger than that is a job of its own)."""
+    jobs: list[list[T]] = []
+    batch: list[T] = []
+    size = 0
+    for item in items:
+        batch.append(item)
+        size += nbytes(item)
+        if size >= per_job:
+            jobs.append(batch)
+            batch, size = [], 0
+    if batch:
+        jobs.append(batch)
+    return jobs
 
 
 class ChainEvents:
@@ -62,6 +87,15 @@ class ChainEvents:
 
 
 @dataclass(eq=False)
+class Promotion:
+    """One GET item's read from a lower tier into reserved arena pages."""
+
+    source: ChunkEntry  # the copy below (acquired until the read completes)
+    target: ChunkEntry  # the arena target (PENDING)
+    done: Callable[[bool, str], None]  # the waiting GET item
+
+
+@dataclass(eq=False)
 class Link:
     """One lower tier in the chain, with its publishing policy and circuit state."""
 
@@ -72,6 +106,7 @@ class Link:
     up: bool = True  # what the last check said (logged and exported on change)
     queued: dict[str, list[tuple[ChunkEntry, ChunkEntry]]] = field(
         default_factory=lambda: {kind: [] for kind in WRITE_KINDS})  # (cpu entry, target)
+    reads: list[Promotion] = field(default_factory=list)  # promotions waiting for flush
 
     @property
     def name(self) -> str:
@@ -82,13 +117,12 @@ class Link:
 class IoJob:
     kind: str  # "demote" | "write_through" | "promote" | "delete" | "exists"
     link: Link
-    target: ChunkEntry | None = None  # promote: the arena target (PENDING)
-    source: ChunkEntry | None = None  # promote: the copy below
+    reads: list[Promotion] | None = None  # promote: the items of one read job
     writes: list[tuple[ChunkEntry, ChunkEntry]] | None = None  # (cpu entry, target below)
     deleted: list[ChunkEntry] | None = None
     keys: list[Hashable] | None = None  # exists: the keys asked about
     fingerprint: str = ""
-    done: Callable[..., None] | None = None  # promote: the waiting GET item; exists: the LOOKUP
+    done: Callable[..., None] | None = None  # exists: the waiting LOOKUP
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -283,12 +317,12 @@ class TierChain:
     def promote(self, tier: Tier, source: ChunkEntry, target: ChunkEntry,
                 done: Callable[[bool, str], None]) -> None:
         """Read ``source`` from ``tier`` into reserved arena pages (``target``, PENDING); commit
-        the target and ``done(True, "")``, or abort it and ``done(False, why)``."""
+        the target and ``done(True, "")``, or abort it and ``done(False, why)``. Queued: the read
+        starts at the next ``flush`` (the loop's, after the request), batched with the other
+        promotions from that tier."""
         link = self.link(tier)
         link.tier.acquire(source)
-        job = link.tier.read_job(source, self.cpu.arena, target.runs, self.cpu.segments(target))
-        self._submit(IoJob("promote", link, target=target, source=source, done=done), job,
-                     target.nbytes)
+        link.reads.append(Promotion(source, target, done))
 
     # -- removal -----------------------------------------------------------------------------------
     def delete(self, ikey: Any) -> Status:
@@ -319,8 +353,12 @@ class TierChain:
 
     # -- submitting --------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Submit the writes and deletes queued during this loop iteration (called by the loop)."""
+        """Submit the reads, writes and deletes queued during this loop iteration (called by the
+        loop)."""
         for link in self.links:
+            if link.reads:
+                reads, link.reads = link.reads, []
+                self._submit_reads(link, reads)
             for kind, queued in link.queued.items():
                 if queued:
                     link.queued[kind] = []
@@ -332,22 +370,24 @@ class TierChain:
         # Spread over the I/O threads, but never below WRITE_JOB_BYTES per job.
         total = sum(c.nbytes for c, _ in queued)
         per_job = max(WRITE_JOB_BYTES, -(-total // link.engine.threads))
-        batch: list[tuple[ChunkEntry, ChunkEntry]] = []
-        size = 0
-        for pair in queued:
-            batch.append(pair)
-            size += pair[0].nbytes
-            if size >= per_job:
-                self._submit_writes(link, kind, batch, size)
-                batch, size = [], 0
-        if batch:
-            self._submit_writes(link, kind, batch, size)
+        for batch in split(queued, lambda pair: pair[0].nbytes, per_job):
+            self._submit_writes(link, kind, batch, sum(c.nbytes for c, _ in batch))
 
     def _submit_writes(self, link: Link, kind: str, batch: list[tuple[ChunkEntry, ChunkEntry]],
                        size: int) -> None:
         items = [(target, cpu_entry.runs) for cpu_entry, target in batch]
         self._submit(IoJob(kind, link, writes=batch), link.tier.write_job(items, self.cpu.arena),
                      size)
+
+    def _submit_reads(self, link: Link, reads: list[Promotion]) -> None:
+        total = sum(r.target.nbytes for r in reads)
+        per_job = total if link.tier.batched_reads else min(
+            READ_JOB_BYTES, -(-total // link.engine.threads))
+        for batch in split(reads, lambda r: r.target.nbytes, per_job):
+            items = [(r.source, r.target.runs, self.cpu.segments(r.target)) for r in batch]
+            self._submit(IoJob("promote", link, reads=batch),
+                         link.tier.read_batch_job(items, self.cpu.arena),
+                         sum(r.target.nbytes for r in batch))
 
     def flush_deletions(self) -> None:
         for link in self.links:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvtierd.tiers.lower import IntegrityError, TierUnavailable
 
 if TYPE_CHECKING:
-    from kvtierd.server.chain import IoJob, TierChain
+    from kvtierd.server.chain import IoJob, Promotion, TierChain
 
 log = logging.getLogger(__name__)
 
@@ -78,32 +78,49 @@ def _writes_done(chain: TierChain, job: IoJob, error: BaseException | None, what
 
 
 def _promote_done(chain: TierChain, job: IoJob, result: Any, error: BaseException | None) -> None:
-    assert job.source is not None and job.target is not None and job.done is not None
-    tier, source, target = job.link.tier, job.source, job.target
+    """Settle each promotion of the job on its own: the job's error (it raised as a whole) or
+    the item's entry in the result (``LowerTier.read_batch_job``)."""
+    assert job.reads is not None
+    if error is None and (not isinstance(result, list) or len(result) != len(job.reads)):
+        # a tier's bug: every item fails (and is answered) rather than waiting forever
+        error = RuntimeError(f"the {job.link.name} read job answered {result!r:.80} for "
+                             f"{len(job.reads)} items")
+    outcomes = [error] * len(job.reads) if error is not None else result
+    if error is None:  # an item's TierUnavailable opens the circuit as a job's does
+        down = next((o for o in outcomes if isinstance(o, TierUnavailable)), None)
+        if down is not None:
+            chain.trip(job.link, down)
+    for read, outcome in zip(job.reads, outcomes):
+        _promoted(chain, job, read, outcome)
+
+
+def _promoted(chain: TierChain, job: IoJob, read: Promotion, outcome: Any) -> None:
+    tier, source, target = job.link.tier, read.source, read.target
     tier.release(source)
-    if error is None and source.doomed:  # DELETEd while being read: the reader gets a miss
+    if not isinstance(outcome, BaseException) and source.doomed:
+        # DELETEd while being read: the reader gets a miss
         chain.cpu.abort(target)
-        job.done(False, f"the {tier.name} copy was deleted while it was read")
+        read.done(False, f"the {tier.name} copy was deleted while it was read")
         return
-    if error is not None:
+    if isinstance(outcome, BaseException):
         chain.cpu.abort(target)
-        if isinstance(error, IntegrityError):
+        if isinstance(outcome, IntegrityError):
             chain.metrics.integrity_failures.labels(tier.name).inc()
-            log.error("%s; chunk dropped from the %s tier, the reader gets a miss", error,
+            log.error("%s; chunk dropped from the %s tier, the reader gets a miss", outcome,
                       tier.name)
-        elif not isinstance(error, TierUnavailable):
-            chain.metrics.io_failures.labels(tier.name, reason(error)).inc()
+        elif not isinstance(outcome, TierUnavailable):
+            chain.metrics.io_failures.labels(tier.name, reason(outcome)).inc()
             log.error("%s read of chunk %r failed (%s); chunk dropped", tier.name, source.ikey,
-                      error)
-        if not isinstance(error, TierUnavailable) and tier.peek(source.ikey) is source:
+                      outcome)
+        if not isinstance(outcome, TierUnavailable) and tier.peek(source.ikey) is source:
             tier.drop(source)
-        job.done(False, f"the {tier.name} copy failed its check or could not be read")
+        read.done(False, f"the {tier.name} copy failed its check or could not be read")
         return
-    chain.cpu.commit(target, result)
+    chain.cpu.commit(target, outcome)
     chain.events.stored(chain.cpu.name, target)
     chain.metrics.promotions.inc()
     chain.metrics.bytes.labels("promote", tier.name).inc(target.nbytes)
-    job.done(True, "")
+    read.done(True, "")
 
 
 def _delete_done(chain: TierChain, job: IoJob, result: Any, error: BaseException | None) -> None:

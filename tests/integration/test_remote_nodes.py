@@ -187,3 +187,66 @@ def test_flipped_byte_in_a_remote_object_is_a_miss_counted_and_removed(master, n
     finally:
         with master.ns.entered():
             raw.close()
+
+
+def test_one_bad_object_in_a_batched_fetch_fails_only_itself(master, nodes) -> None:
+    """One GET of many remote chunks is read in batched jobs (one ``batch_get_into`` for all, not
+    one per chunk): an object with a flipped payload byte, one with a flipped header byte and one
+    removed from the store are misses for those three items only; the others land byte-exact."""
+    from kvtierd.remote import objects
+
+    cluster = f"batch-{uuid.uuid4().hex[:12]}"
+    a, b = nodes("a", cluster_id=cluster), nodes("b", cluster_id=cluster, global_segment_bytes=0)
+    lay = layout()
+    kv = random_kv(31)
+    tokens = torch.randint(0, 50000, (640,), generator=torch.Generator().manual_seed(31)).tolist()
+    chunks = lay.plan(tokens, [list(range(40))])
+    assert len(chunks) == 10
+    expected = {(n, blk): kv[n][blk].clone() for c in chunks for n in ("l0", "l1")
+                for blk in c.block_ids}
+    store(a, lay, chunks, kv)
+    wait_for(published(master, a, len(chunks)), 30, "node A published")
+    tenant = f"uid:{os.getuid()}"
+    names = [objects.object_name(cluster, ((tenant, lay.namespace, lay.rank), c.key),
+                                 lay.fingerprint) for c in chunks]
+    payload_flip, header_flip, gone = 2, 5, 8
+    raw = mc.raw_client(master, segment_bytes=0)
+    try:
+        with master.ns.entered():
+            for index, offset in ((payload_flip, -7), (header_flip, 36)):  # 36: tenant digest
+                stored = bytearray(raw.get(names[index]))
+                assert len(stored) == objects.HEADER_BYTES + 2 * 4 * PAGE, "not where expected"
+                stored[offset] ^= 0x10
+                assert raw.remove(names[index], True) == 0
+                assert raw.put(names[index], bytes(stored)) == 0
+        assert tiers_of(b, lay, chunks) == [Tier.REMOTE] * len(chunks)
+        with master.ns.entered():
+            assert raw.remove(names[gone], True) == 0  # after B's LOOKUP found it
+        for t in kv.values():
+            t.fill_(0xAB)  # poison
+        with KVTierClient.connect(b.address, layout=lay, kv_caches=kv) as client:
+            results = client.load(chunks).result(timeout=30)
+        bad = {payload_flip, header_flip, gone}
+        assert results == [i not in bad for i in range(len(chunks))]
+        for i, chunk in enumerate(chunks):
+            for n in ("l0", "l1"):
+                for blk in chunk.block_ids:
+                    if i in bad:
+                        assert bool((kv[n][blk] == 0xAB).all()), f"unverified bytes of chunk {i}"
+                    else:
+                        assert torch.equal(kv[n][blk], expected[(n, blk)]), (i, n, blk)
+        text = metrics(master, b)
+        assert metric(text, "kvtierd_integrity_failures_total", tier="remote") == 2
+        assert metric(text, "kvtierd_promotions_total") == len(chunks) - len(bad)
+        jobs = metric(text, "kvtierd_tier_io_duration_seconds_count", tier="remote",
+                      op="promote")
+        assert 1 <= jobs < len(chunks), f"{jobs} read jobs for one GET of {len(chunks)} chunks"
+        with master.ns.entered():  # the corrupt ones are removed, the good ones stay
+            wait_for(lambda: not raw.is_exist(names[payload_flip])
+                     and not raw.is_exist(names[header_flip]), 30, "corrupt objects removed")
+            assert all(raw.is_exist(names[i]) == 1 for i in range(len(chunks)) if i not in bad)
+        assert tiers_of(b, lay, chunks) == [Tier.CPU if i not in bad else Tier.NONE
+                                            for i in range(len(chunks))]
+    finally:
+        with master.ns.entered():
+            raw.close()

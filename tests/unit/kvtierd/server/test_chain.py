@@ -87,7 +87,8 @@ def test_delete_during_demotion_does_not_resurrect_the_chunk(stack):
     nvme.check_invariants()
 
 
-def test_delete_during_promotion_answers_a_miss_and_frees_everything(stack):
+@pytest.mark.parametrize("submitted", [True, False], ids=["read-in-flight", "read-queued"])
+def test_delete_during_promotion_answers_a_miss_and_frees_everything(stack, submitted):
     cpu, nvme, engine, mover = stack
     entry, _ = put(cpu, b"p", PAGE)
     mover.demote(entry)
@@ -98,9 +99,12 @@ def test_delete_during_promotion_answers_a_miss_and_frees_everything(stack):
     assert status is Status.OK
     outcome = []
     mover.promote(Tier.NVME, source, target, lambda ok, why: outcome.append(ok))
+    if submitted:
+        mover.flush()  # promotions are read from the loop's flush, batched per tier
     mover.delete((SPACE, b"p"))  # the arena copy is still PENDING; the NVMe copy goes now
     assert source.doomed and source.ikey not in nvme.index
     assert nvme.take_deletions() is None, "pages freed while a read still uses them"
+    mover.flush()
     drain(engine, mover)
     assert outcome == [False]  # the read succeeded, but a doomed source is not promoted
     assert target.ikey not in cpu.index, "the aborted arena target is still indexed"

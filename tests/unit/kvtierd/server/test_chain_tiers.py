@@ -343,3 +343,60 @@ def test_a_full_arena_keeps_two_demotion_rounds_in_flight(make):
         ok, data = stack.promote(key, PAGE)
         assert ok and data == payloads[key], key
     stack.invariants()
+
+
+def test_promotions_of_one_flush_share_a_job_and_a_corrupt_one_fails_alone(make):
+    """A GET's promotions are queued and read at the next flush in batched jobs (here one: the
+    remote's own pool has one thread); the corrupt chunk among them is the only miss."""
+    s = make(nvme=False)
+    keys = [b"m0", b"m1", b"m2", b"m3"]
+    payloads = {key: s.put(key, 2 * PAGE + 17) for key in keys}
+    s.evict_all()
+    entry = s.remote.peek((SPACE, b"m2"))
+    fd = os.open(s.remote.directory / DATA_NAME, os.O_RDWR)
+    try:
+        offset = entry.runs[0][0] * PAGE + 3
+        os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0x01]), offset)
+    finally:
+        os.close(fd)
+    outcomes: dict[bytes, bool] = {}
+    for key in keys:
+        status, tier, source = s.chain.lookup((SPACE, key), "fp")
+        assert (status, tier) == (Status.OK, Tier.REMOTE)
+        status, target = s.cpu.reserve((SPACE, key), "fp", source.nbytes, owner=0)
+        assert status is Status.OK
+        for off, length in s.cpu.segments(target):
+            s.arena.view[off:off + length] = b"\xa5" * length  # poison
+        s.chain.promote(tier, source, target,
+                        lambda ok, why, key=key: outcomes.__setitem__(key, ok))
+    assert not s.chain.engines[1].in_flight, "a promotion started before the flush"
+    s.settle()
+    assert outcomes == {b"m0": True, b"m1": True, b"m2": False, b"m3": True}
+    for key in (b"m0", b"m1", b"m3"):
+        assert s.read_arena(key) == payloads[key]
+    assert (SPACE, b"m2") not in s.cpu.index and s.remote.peek((SPACE, b"m2")) is None
+    assert s.metric("kvtierd_integrity_failures_total", tier="remote") == 1
+    assert s.metric("kvtierd_promotions_total") == 3
+    assert s.metric("kvtierd_tier_io_duration_seconds_count", tier="remote", op="promote") == 1
+    s.invariants()
+
+
+def test_a_cut_remote_fails_a_batch_of_promotions_as_misses_and_keeps_the_copies(make):
+    s = make(nvme=False)
+    keys = [b"u0", b"u1", b"u2"]
+    for key in keys:
+        s.put(key, 2 * PAGE)
+    s.evict_all()
+    s.remote.cut()
+    outcomes = []
+    for key in keys:
+        _, tier, source = s.chain.lookup((SPACE, key), "fp")
+        _, target = s.cpu.reserve((SPACE, key), "fp", source.nbytes, owner=0)
+        s.chain.promote(tier, source, target, lambda ok, why: outcomes.append(ok))
+    s.settle()
+    assert outcomes == [False] * len(keys)
+    assert s.metric("kvtierd_tier_unavailable_total", tier="remote") == 1
+    assert s.metric("kvtierd_integrity_failures_total", tier="remote") == 0
+    assert all(s.remote.peek((SPACE, key)) is not None for key in keys), "copies dropped"
+    assert not any((SPACE, key) in s.cpu.index for key in keys)
+    s.invariants()
