@@ -40,6 +40,25 @@ from kvtierd.tiers.base import MISMATCH_SLOT, MISS_SLOT
 from kvtierd.tiers.chunk import ChunkEntry
 
 log = logging.getLogger(__name__)
+_CPU, _NONE = int(Tier.CPU), int(Tier.NONE)
+
+
+def _keys_problem(keys: list) -> tuple[Status, str] | None:
+    """Why some key of a LOOKUP cannot name a chunk (the first such key), or None. A good batch
+    is checked in C: ``join`` refuses anything but bytes-like objects (msgpack decodes binary as
+    ``bytes`` only), then the shortest and longest key."""
+    try:
+        b"".join(keys)
+    except TypeError:
+        pass
+    else:
+        if not keys or (min(map(len, keys)) > 0 and max(map(len, keys)) <= MAX_KEY_BYTES):
+            return None
+    for key in keys:
+        problem = requests.key_problem(key)
+        if problem is not None:
+            return problem
+    return None
 
 
 class OpHandlers:
@@ -175,11 +194,9 @@ class OpHandlers:
         lower tier such as the remote one can tell about have answered (``TierChain.check``)."""
         keys = requests.batch(header, "keys", self.cfg.max_batch)
         lease = requests.flag(header, "lease", False)
-        for key in keys:
-            if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
-                problem = requests.key_problem(key)
-                if problem is not None:
-                    raise ProtocolError(problem[0], problem[1])
+        problem = _keys_problem(keys)
+        if problem is not None:
+            raise ProtocolError(problem[0], problem[1])
         if not self.mover.checks_existence:
             return self._lookup_batched(session, keys, lease)
         ikeys = [session.ikey(key) for key in keys]
@@ -211,25 +228,34 @@ class OpHandlers:
         """Without a tier that needs existence checks: the arena answers the whole batch from its
         compact index (``lookup_slots``: no entry built unless a hit is leased), the lower tiers
         only its misses; counts and ghosts are fed once per batch. Same answers, touches, leases
-        and counts as ``_lookup_answer`` over per-key lookups."""
+        and counts as ``_lookup_answer`` over per-key lookups. A batch the arena answers alone
+        (all hits, or no lower tier) builds its answer with list operations, no loop per key."""
         cpu, fingerprint = self.mover.cpu, session.fingerprint
         slots = cpu.lookup_slots(session.space, keys, fingerprint)
-        tiers = [int(Tier.CPU) if slot >= 0 else int(Tier.NONE) for slot in slots]
-        names: list[str | None] = ["cpu" if slot >= 0 else None for slot in slots]
-        hits: Counter[Tier] = Counter({Tier.CPU: len(slots) - names.count(None)})
-        misses: Counter[Status] = Counter({Status.LAYOUT_MISMATCH: slots.count(MISMATCH_SLOT)})
+        n = len(slots)
+        missed, mismatched = slots.count(MISS_SLOT), slots.count(MISMATCH_SLOT)
+        if missed or mismatched:
+            tiers = [_CPU if slot >= 0 else _NONE for slot in slots]
+            names: list[str | None] = ["cpu" if slot >= 0 else None for slot in slots]
+        else:
+            tiers, names = [_CPU] * n, ["cpu"] * n
+        hits: Counter[Tier] = Counter({Tier.CPU: n - missed - mismatched})
+        misses: Counter[Status] = Counter({Status.LAYOUT_MISMATCH: mismatched})
         below: dict[int, ChunkEntry] = {}
-        for i, slot in enumerate(slots):
-            if slot != MISS_SLOT:
-                continue
-            status, tier, entry = self.mover.lookup_below(session.ikey(keys[i]), fingerprint)
-            if entry is None:
-                misses[status] += 1
-                continue
-            below[i] = entry
-            tiers[i] = int(tier)
-            names[i] = tier.name.lower()
-            hits[tier] += 1
+        if missed and not self.mover.links:
+            misses[Status.MISS] += missed
+        elif missed:
+            for i, slot in enumerate(slots):
+                if slot != MISS_SLOT:
+                    continue
+                status, tier, entry = self.mover.lookup_below(session.ikey(keys[i]), fingerprint)
+                if entry is None:
+                    misses[status] += 1
+                    continue
+                below[i] = entry
+                tiers[i] = int(tier)
+                names[i] = tier.name.lower()
+                hits[tier] += 1
         self.accounting.lookup_counts(+hits, +misses)
         self.ghosts.access_many(session.space, keys, names)
         if lease:
