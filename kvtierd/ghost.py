@@ -31,11 +31,21 @@ low watermark.
 
 Memory: a ghost entry costs about 140 bytes (an ``OrderedDict`` node holding a 64-bit key hash and
 a page count; ``tests/unit/kvtierd/test_ghost.py`` measures it), so a tier's ghosts hold at most
-``1.5 * MAX_KEYS`` entries (about 28 MB); the time is ~0.5 µs per access and ~2.5 µs per insert. A tier so large that its 4x ghost could hold more keys than
+``1.5 * MAX_KEYS`` entries (about 7 MB). A tier so large that its 4x ghost could hold more keys than
 ``MAX_KEYS`` (counting one page per chunk, the worst case) is simulated on a sample of the key space
-(spatial sampling, as in SHARDS: a key is simulated iff its hash falls below ``sample_ratio``, and
-the ghost capacities shrink by the same ratio); its counters then count the sampled accesses only,
-and their ratios estimate the hit ratios. Small tiers are simulated exactly (``sample_ratio`` 1).
+(spatial sampling, as in SHARDS: a key is simulated iff its 64-bit hash is below
+``sample_ratio * 2**64``, and the ghost capacities shrink by the same ratio); its counters then
+count the sampled accesses only, and their ratios estimate the hit ratios. Small tiers are
+simulated exactly (``sample_ratio`` 1). The sample is deterministic: xxh3 of the key, seeded by
+its key space, so the same keys are sampled in every process and run.
+
+Cost, and why ``MAX_KEYS`` is 32768: a LOOKUP batch hashes every key (one C loop) and compares it
+with each tier's threshold; only the sampled keys go into the ghosts, and a ghost access is an
+``OrderedDict`` lookup and move (~0.2-0.5 µs a key and ghost here, cache misses included). With 131072 keys a
+100k-chunk tier sampled a quarter of its keys and the ghosts cost more than the index lookup
+itself; at 32768 it is 1/15 there and 1/150 at a million chunks, and the largest ghost still
+holds up to 32768 distinct keys, where SHARDS-style estimates are within a point or two
+(``tests/unit/kvtierd/test_ghost.py`` checks the estimate against an exact ghost).
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 SCALES = (2, 4)
-MAX_KEYS = 1 << 17  # keys in a tier's largest ghost before it samples (~18 MB at ~140 B a key)
+MAX_KEYS = 1 << 15  # keys in a tier's largest ghost before it samples (~4.6 MB at ~140 B a key)
 _SAMPLE_BITS = 64  # a key is sampled iff its 64-bit hash is below ratio * 2**64
 _SAMPLE_ALL = (1 << _SAMPLE_BITS) - 1  # a threshold above it samples every key
 
@@ -338,7 +348,9 @@ class GhostCollector(Collector):
             labels=["tier", "scale"],
         )
         ratio = GaugeMetricFamily(
-            "kvtierd_ghost_sample_ratio", "Fraction of the key space a tier's ghosts simulate",
+            "kvtierd_ghost_sample_ratio",
+            "Fraction of the key space a tier's ghosts simulate (a deterministic hash sample of "
+            "the keys; 1 = every key)",
             labels=["tier"],
         )
         for tier in self._ghosts.tiers:
