@@ -12,8 +12,10 @@ PAGE = 4096
 SPACE = ("uid:1000", "ns", 0)
 
 
+@pytest.mark.parametrize("outcomes", [["cpu", "nvme", None], ["cpu"], ["nvme"], [None]],
+                         ids=["mixed", "all-cpu", "all-nvme", "all-miss"])  # uniform: no per-key
 @pytest.mark.parametrize("max_keys", [1 << 17, 64])  # exact, and sampled
-def test_access_many_matches_access_key_by_key(max_keys):
+def test_access_many_matches_access_key_by_key(max_keys, outcomes):
     rng = random.Random(max_keys)
     tiers = [("cpu", 64 * PAGE), ("nvme", 256 * PAGE)]
     batched, single = (GhostCaches(tiers, PAGE, max_keys=max_keys) for _ in range(2))
@@ -24,7 +26,7 @@ def test_access_many_matches_access_key_by_key(max_keys):
             ghosts.insert((SPACE, key), nbytes)
     for _ in range(20):
         batch = rng.sample(keys, 40)
-        hits = [rng.choice(["cpu", "nvme", None]) for _ in batch]
+        hits = [rng.choice(outcomes) for _ in batch]
         batched.access_many(SPACE, batch, hits)
         for key, hit in zip(batch, hits):
             single.access((SPACE, key), hit)
