@@ -26,12 +26,16 @@ def daemon_factory(tmp_path):
         return proc
 
     yield start
-    try:
-        for proc in started:
+    failures: list[BaseException] = []
+    for proc in started:  # every daemon is stopped, even after another one's check failed
+        try:
             proc.stop_and_verify()
-    finally:
-        for proc in started:
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others
+            failures.append(exc)
+        finally:
             proc.remove_nvme_data()
+    if failures:
+        raise failures[0]
 
 
 @pytest.fixture

@@ -62,6 +62,8 @@ class CpuTier(TierIndex):
         self.policy = make_policy(policy)
         self.high_pages = int(self.num_pages * high_watermark)
         self.low_pages = int(self.num_pages * low_watermark)
+        # What a reservation that finds the arena full sends down at once: down to the low mark.
+        self.round_pages = max(1, self.num_pages - self.low_pages)
         self.on_evict = on_evict
         self.policy_name = policy
         # kv-events hook: called for every chunk that leaves the index (evicted, demoted, deleted,
@@ -114,12 +116,7 @@ class CpuTier(TierIndex):
             return Status.QUOTA_EXCEEDED, None
         runs = self.allocator.allocate(pages)
         if runs is None:
-            # Pages already on their way out (demotions in flight) count as coming back.
-            needed = pages - self.allocator.free_pages - self.demoting_pages
-            if self.evict(needed, all_or_nothing=True):
-                # Evicting anyway: go down to the low watermark in one go, so that demotions go
-                # out in batches (one fdatasync for many chunks), not one victim per PUT item.
-                self.enforce_watermarks()
+            self._make_room(pages)
             runs = self.allocator.allocate(pages)
             if runs is None:
                 self.counters["reserve_no_space"] += 1
@@ -130,6 +127,24 @@ class CpuTier(TierIndex):
         self.pending_pages += pages
         self.tenant_pages[tenant] += pages
         return Status.OK, entry
+
+    def _make_room(self, pages: int) -> None:
+        """A reservation found no free run: evict (or start demoting) what it needs.
+
+        Pages already on their way out (demotions in flight) count as coming back. When they
+        cover this reservation it waits for them (the caller parks it); then, with a lower tier,
+        the next round is started at once, up to two rounds in flight, so that the tier below is
+        writing the next round when this one's pages come free, instead of idling until they are
+        filled again (under sustained writes the arena then holds down to 2 rounds below full).
+        """
+        needed = pages - self.allocator.free_pages - self.demoting_pages
+        if needed > 0:
+            if self.evict(needed, all_or_nothing=True):
+                # Evicting anyway: go down to the low watermark in one go, so that demotions go
+                # out in batches (one fdatasync for many chunks), not one victim per PUT item.
+                self.enforce_watermarks()
+        elif self.demoter is not None and self.demoting_pages < 2 * self.round_pages:
+            self.evict(self.round_pages)
 
     def part_of_tenant(self, tenant_id: int) -> int:
         """A tenant with a quota has its own LRU partition (it evicts its own coldest chunks);

@@ -71,7 +71,9 @@ def test_dashboard_covers_what_operators_watch():
                   "requests by op", "latency p50", "latency p99", "evictions", "demotions",
                   "promotions", "integrity failures", "sessions",
                   "hit ratio if the tier were larger", "lookup misses by reason", "get results",
-                  "time a chunk stays in a tier", "kv events published", "kv events dropped"):
+                  "time a chunk stays in a tier", "kv events published", "kv events dropped",
+                  "lower tiers available", "lower-tier traffic", "lower-tier job latency",
+                  "lower-tier i/o failures"):
         assert topic in titles, topic
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))

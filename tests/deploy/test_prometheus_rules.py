@@ -14,7 +14,8 @@ from helpers.workload import DEPLOY, REPO
 PROM = DEPLOY / "prometheus"
 ALERTS = {"KvtierdDown", "KvtierdTierFull", "KvtierdNvmeEvictionPressure",
           "KvtierdIntegrityFailures", "KvtierdRequestErrors", "KvtierdHitRatioCollapse",
-          "KvtierdRefusing", "KvtierdEventsDropped", "KvtierdEventsUnsubscribed"}
+          "KvtierdRefusing", "KvtierdLowerTierUnavailable", "KvtierdLowerTierFlapping",
+          "KvtierdEventsDropped", "KvtierdEventsUnsubscribed"}
 
 
 def test_promtool_checks_the_scrape_config(promtool):

@@ -110,8 +110,14 @@ class DaemonProcess:
             self.check()
         finally:
             self.proc.send_signal(signal.SIGTERM)
-            code = self.proc.wait(timeout=20)
+            try:
+                code = self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:  # never left behind, whatever the test says
+                self.proc.kill()
+                self.proc.wait()
+                code = None
             self._log.close()
+        assert code is not None, f"kvtierd did not stop within 20 s of SIGTERM:\n{self.log()}"
         assert code == 0, f"kvtierd exited with {code}:\n{self.log()}"
         if self.persistent:  # kept on purpose for the next start; the test is over
             for path in self.shm_files():

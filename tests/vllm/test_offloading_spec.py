@@ -9,26 +9,7 @@ nothing. A second vLLM process on the same daemon must hit what the first stored
 from __future__ import annotations
 
 import pytest
-
-# Round A computes its prefill while vLLM batches the two prompts as its scheduler sees fit; since
-# lookups answer asynchronously (RETRY for one step), A's batch composition depends on timing, and
-# the rounds that load (B, X) compute only the tail, in another batch shape. The models run in
-# float32 (conftest), where that moves a logprob by ~1e-6 (bf16 moved one by 3.9e-3 on a loaded CI
-# machine: one ulp of a logit). Rounds that load must agree with each other bit for bit; against A
-# they must give the same tokens and logprobs within this bound, and a wrong chunk must move them
-# by far more than it.
-BATCH_NOISE = 1e-4
-WRONG_CHUNK_MIN = 100 * BATCH_NOISE
-
-
-def worst_difference(got: list[list[float]], want: list[list[float]]) -> float:
-    assert [len(x) for x in got] == [len(x) for x in want]
-    return max(abs(g - w) for gs, ws in zip(got, want) for g, w in zip(gs, ws))
-
-
-def assert_close(got: list[list[float]], want: list[list[float]]) -> None:
-    worst = worst_difference(got, want)
-    assert worst <= BATCH_NOISE, (worst, got, want)
+from helpers.vllm_engine import WRONG_CHUNK_MIN, assert_close, worst_difference
 
 MODELS = ["llama", "gemma3", "gemma4"]
 pytestmark = [pytest.mark.vllm, pytest.mark.parametrize("scenario", MODELS, indirect=True)]

@@ -42,10 +42,10 @@ class Recorder(ChainEvents):
 
 
 class Stack:
-    def __init__(self, tmp_path, nvme_policy, remote_policy, nvme=True):
-        self.arena = Arena(f"kvtierd-test-chain-{uuid.uuid4().hex[:8]}", 16 * PAGE,
+    def __init__(self, tmp_path, nvme_policy, remote_policy, nvme=True, pages=16, low=0.90):
+        self.arena = Arena(f"kvtierd-test-chain-{uuid.uuid4().hex[:8]}", pages * PAGE,
                            prefault=False, lock=False)
-        self.cpu = CpuTier(self.arena, PAGE)
+        self.cpu = CpuTier(self.arena, PAGE, low_watermark=low)
         self.nvme = NvmeLowerTier(tmp_path / "nvme", 16 * PAGE, PAGE) if nvme else None
         self.remote = DirRemoteTier(tmp_path / "remote", 64 * PAGE, PAGE)
         self.engine = CopyEngine(2, inline_bytes=-1)
@@ -134,8 +134,9 @@ class Stack:
 def make(tmp_path):
     made = []
 
-    def build(nvme_policy=PublishPolicy(EVICT), remote_policy=PublishPolicy(COMMIT), nvme=True):
-        made.append(Stack(tmp_path / str(len(made)), nvme_policy, remote_policy, nvme))
+    def build(nvme_policy=PublishPolicy(EVICT), remote_policy=PublishPolicy(COMMIT), nvme=True,
+              **arena):
+        made.append(Stack(tmp_path / str(len(made)), nvme_policy, remote_policy, nvme, **arena))
         return made[-1]
 
     yield build
@@ -311,3 +312,34 @@ def test_a_hanging_remote_never_delays_the_nvme_tier(make):
     s.settle()
     assert s.remote.peek((SPACE, b"hot")) is not None
     s.invariants()
+
+
+def test_a_full_arena_keeps_two_demotion_rounds_in_flight(make):
+    """Reservations that wait for a round in flight start the next one (never a third), so the
+    tier below is already writing when the first round's pages come free; all of it lands."""
+    stack = make(remote_policy=PublishPolicy(EVICT), pages=40, low=0.75)  # a round: 10 pages
+    cpu = stack.cpu
+    payloads = {}
+    for i in range(40):
+        key = f"k{i}".encode()
+        status, entry = cpu.reserve((SPACE, key), "fp", PAGE, owner=1)
+        assert status is Status.OK, status
+        payloads[key] = os.urandom(PAGE)
+        (offset, length), = cpu.segments(entry)
+        stack.arena.view[offset:offset + length] = payloads[key]
+        cpu.commit(entry, xxhash.xxh3_128_digest(payloads[key]))
+    assert cpu.allocator.free_pages == 0
+    assert cpu.reserve((SPACE, b"wait-1"), "fp", PAGE, owner=1) == (Status.NO_SPACE, None)
+    assert cpu.demoting_pages == cpu.round_pages == 10  # the first round, not yet written
+    for n in range(2, 5):
+        assert cpu.reserve((SPACE, f"wait-{n}".encode()), "fp", PAGE, owner=1)[0] is Status.NO_SPACE
+    assert cpu.demoting_pages == 2 * cpu.round_pages  # the next round, and no third
+    stack.invariants()
+    stack.settle()
+    assert cpu.demoting_pages == 0 and cpu.allocator.free_pages == 20
+    demoted = [k for k in payloads if cpu.index.get((SPACE, k)) is None]
+    assert len(demoted) == 20 and stack.metric("kvtierd_demotions_total") == 20
+    for key in demoted:  # the oldest, written below (NVMe holds 16 pages, the rest went on down)
+        ok, data = stack.promote(key, PAGE)
+        assert ok and data == payloads[key], key
+    stack.invariants()
