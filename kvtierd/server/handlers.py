@@ -194,11 +194,11 @@ class OpHandlers:
         lower tier such as the remote one can tell about have answered (``TierChain.check``)."""
         keys = requests.batch(header, "keys", self.cfg.max_batch)
         lease = requests.flag(header, "lease", False)
+        if not self.mover.checks_existence:
+            return self._lookup_batched(session, keys, lease)
         problem = _keys_problem(keys)
         if problem is not None:
             raise ProtocolError(problem[0], problem[1])
-        if not self.mover.checks_existence:
-            return self._lookup_batched(session, keys, lease)
         ikeys = [session.ikey(key) for key in keys]
         found = [self.mover.lookup(ikey, session.fingerprint) for ikey in ikeys]
         missed = [ikey for ikey, (status, _, entry) in zip(ikeys, found)
@@ -227,11 +227,26 @@ class OpHandlers:
     def _lookup_batched(self, session: Session, keys: list, lease: bool) -> dict:
         """Without a tier that needs existence checks: the arena answers the whole batch from its
         compact index (``lookup_slots``: no entry built unless a hit is leased), the lower tiers
-        only its misses; counts and ghosts are fed once per batch. Same answers, touches, leases
+        only its misses; counts and ghosts are fed once per batch. Only the keys the index does
+        not hold are validated (before anything is touched): a hit is a key a PUT validated, and
+        checking 1024 keys' types and lengths cost as much as decoding them. Same answers, touches, leases
         and counts as ``_lookup_answer`` over per-key lookups. A batch the arena answers alone
         (all hits, or no lower tier) builds its answer with list operations, no loop per key."""
         cpu, fingerprint = self.mover.cpu, session.fingerprint
-        slots = cpu.lookup_slots(session.space, keys, fingerprint)
+
+        def refuse_bad_misses(found: list[int]) -> None:
+            if MISS_SLOT in found:
+                problem = _keys_problem([k for k, slot in zip(keys, found) if slot == MISS_SLOT])
+                if problem is not None:
+                    raise ProtocolError(problem[0], problem[1])
+
+        try:
+            slots = cpu.lookup_slots(session.space, keys, fingerprint, refuse_bad_misses)
+        except TypeError:  # an unhashable key (a msgpack array or map): refused before any touch
+            problem = _keys_problem(keys)
+            if problem is None:
+                raise
+            raise ProtocolError(problem[0], problem[1]) from None
         n = len(slots)
         missed, mismatched = slots.count(MISS_SLOT), slots.count(MISMATCH_SLOT)
         if missed or mismatched:

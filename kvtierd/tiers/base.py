@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import repeat
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 from kvtierd.eviction.base import EvictionPolicy
 from kvtierd.protocol import Status
@@ -47,10 +47,14 @@ class TierIndex:
         self.policy.touch(slot, self.part_of(slot))
         return Status.OK, entry
 
-    def lookup_slots(self, space: tuple, keys: Sequence[bytes], fingerprint: str) -> list[int]:
+    def lookup_slots(self, space: tuple, keys: Sequence[bytes], fingerprint: str,
+                     check: Callable[[list[int]], None] | None = None) -> list[int]:
         """Batched ``lookup`` for one key space without building entries: per key the slot of its
         READY chunk (touched, in key order), MISS_SLOT or MISMATCH_SLOT. ``index.entry(slot)``
-        gives the entry of a hit (e.g. to lease it).
+        gives the entry of a hit (e.g. to lease it). ``check(slots)`` runs on the first answer
+        (a slot per indexed key, MISS_SLOT otherwise) before anything is touched or counted, and
+        may raise to refuse the batch: the LOOKUP handler validates only the keys that missed
+        (an indexed key was validated when it was stored).
 
         Why it is written this way: a 1024-key LOOKUP must cost well under a microsecond a key,
         so the common case (every hit an idle READY chunk of the reader's layout) runs as C loops
@@ -59,8 +63,13 @@ class TierIndex:
         index = self.index
         found = index.key_space(space)
         if found is None:
-            return [MISS_SLOT] * len(keys)
+            out = [MISS_SLOT] * len(keys)
+            if check is not None:
+                check(out)
+            return out
         out = list(map(found.keys.get, keys, repeat(MISS_SLOT, len(keys))))
+        if check is not None:
+            check(out)
         hits = [slot for slot in out if slot >= 0] if MISS_SLOT in out else out
         fp = index.fingerprint_id(fingerprint)
         part = self.part_of_tenant(found.tenant)

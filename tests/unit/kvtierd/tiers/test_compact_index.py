@@ -176,6 +176,34 @@ def test_lookup_slots_matches_per_key_lookups_on_random_batches(make_arena):
         tier.check_invariants()
 
 
+def test_lookup_slots_check_sees_the_misses_and_can_refuse_before_any_touch(make_arena):
+    """The LOOKUP handler validates only the keys that missed, through ``check``: it sees a slot
+    per indexed key (MISS_SLOT otherwise) and, when it raises, nothing was touched or counted."""
+    rng = random.Random(4)
+    tier = CpuTier(make_arena(8 * 4096), 4096)
+    for key in (b"a", b"b", b"c"):
+        put(tier, SPACE, key, 100, rng)
+    put(tier, SPACE, b"m", 100, rng, fp="fp2")
+    tier.compact()
+    before = list(tier.victim_slots(10_000)[0])
+    seen = []
+
+    def refuse(slots):
+        seen.append(list(slots))
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError):
+        tier.lookup_slots(SPACE, [b"a", b"x", b"m"], "fp", refuse)
+    assert seen[0][0] >= 0 and seen[0][1] == MISS_SLOT and seen[0][2] >= 0  # before the checks
+    assert list(tier.victim_slots(10_000)[0]) == before and not tier.counters["layout_mismatch"]
+    with pytest.raises(ValueError):
+        tier.lookup_slots(OTHER, [b"a"], "fp", refuse)  # a space with no chunks: all misses
+    assert seen[1] == [MISS_SLOT]
+    slots = tier.lookup_slots(SPACE, [b"a", b"x", b"m"], "fp", seen.append)
+    assert slots[1:] == [MISS_SLOT, MISMATCH_SLOT] and list(tier.victim_slots(10_000)[0]) != before
+    tier.check_invariants()
+
+
 def test_lookup_slots_answers_like_lookup(make_arena):
     rng = random.Random(3)
     tier = CpuTier(make_arena(16 * 4096), 4096)
