@@ -41,11 +41,12 @@ its key space, so the same keys are sampled in every process and run.
 
 Cost, and why ``MAX_KEYS`` is 32768: a LOOKUP batch hashes every key (one C loop) and compares it
 with each tier's threshold; only the sampled keys go into the ghosts, and a ghost access is an
-``OrderedDict`` lookup and move (~0.2-0.5 µs a key and ghost here, cache misses included). With 131072 keys a
-100k-chunk tier sampled a quarter of its keys and the ghosts cost more than the index lookup
-itself; at 32768 it is 1/15 there and 1/150 at a million chunks, and the largest ghost still
-holds up to 32768 distinct keys, where SHARDS-style estimates are within a point or two
-(``tests/unit/kvtierd/test_ghost.py`` checks the estimate against an exact ghost).
+``OrderedDict`` lookup and move (~0.2-0.5 µs a key and ghost on the shared test machine, cache
+misses included). With 131072 keys a 100k-chunk tier sampled a quarter of its keys and the ghosts
+cost more than the index lookup itself; at 32768 it is 1/15 there and 1/150 at a million chunks,
+and the largest ghost still holds up to 32768 distinct keys, where SHARDS-style estimates are
+within a point or two (``tests/unit/kvtierd/test_ghost_batch.py`` checks the estimate against an
+exact simulation).
 """
 
 from __future__ import annotations
@@ -226,9 +227,9 @@ class GhostCaches:
     def access_many(self, space: tuple[str, str, int], keys: Sequence[bytes],
                     hit_tiers: Sequence[str | None]) -> None:
         """``access`` for every key of one LOOKUP batch (one key space), in order: the same
-        counts and ghost updates. A LOOKUP answers ~1M keys/s, so the per-key work is one hash
-        (``map``) and one comparison per tier (the sample); only the sampled keys (every key of
-        a small tier, ~1/40 at a million chunks) go into the ghosts, in C loops
+        counts and ghost updates. A LOOKUP must answer ~1M keys/s, so the per-key work is one
+        hash (``map``) and one comparison per tier (the sample); only the sampled keys (every key
+        of a small tier, ~1/150 at a million chunks) go into the ghosts, in C loops
         (``GhostLRU.access_many``). A batch with one outcome for every key (all CPU hits, say)
         counts its real hits without looking at the keys."""
         n = len(keys)

@@ -166,8 +166,8 @@ class LRUPolicy(EvictionPolicy):
     def _rewrite(self) -> None:
         """Drop every garbage entry and renumber positions from 0, keeping the order. Live
         positions are marked from the stamps (one pass over the slots) and the log is filtered
-        by that mask in C (``compress``): the log holds up to three entries per live slot, and a
-        per-entry Python test was the larger part of a LOOKUP's eviction bookkeeping."""
+        by that mask in C (``compress``) instead of a Python test per entry: the log holds up to
+        three entries per live slot, and every LOOKUP hit adds one (the old one turns garbage)."""
         stamp, log, head = self._stamp, self._log, self._head
         live_mask = bytearray(len(log) - head)  # 1 where log[head + i] is live
         for pos in stamp:

@@ -229,9 +229,9 @@ class OpHandlers:
         compact index (``lookup_slots``: no entry built unless a hit is leased), the lower tiers
         only its misses; counts and ghosts are fed once per batch. Only the keys the index does
         not hold are validated (before anything is touched): a hit is a key a PUT validated, and
-        checking 1024 keys' types and lengths cost as much as decoding them. Same answers, touches, leases
-        and counts as ``_lookup_answer`` over per-key lookups. A batch the arena answers alone
-        (all hits, or no lower tier) builds its answer with list operations, no loop per key."""
+        checking 1024 keys' types and lengths cost as much as decoding them. Same answers,
+        touches, leases and counts as ``_lookup_answer`` over per-key lookups. A batch the arena
+        answers alone (all hits, or no lower tier) builds its answer with list operations."""
         cpu, fingerprint = self.mover.cpu, session.fingerprint
 
         def refuse_bad_misses(found: list[int]) -> None:
