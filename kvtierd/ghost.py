@@ -149,6 +149,10 @@ class GhostLRU:
         if pages is not None:
             self.used_pages -= pages
 
+    def remove_many(self, keys: Iterable[int]) -> None:
+        pop = self._order.pop
+        self.used_pages -= sum([pop(key, 0) for key in keys])
+
     def check_invariants(self) -> None:
         assert self.used_pages == sum(self._order.values()), "ghost page count drifted"
         assert self.used_pages <= self.capacity_pages, "ghost above its capacity"
@@ -310,6 +314,15 @@ class GhostCaches:
         for tier in self.tiers:
             for ghost in tier.ghosts.values():
                 ghost.remove(key)
+
+    def remove_many(self, space: tuple[str, str, int], keys: Sequence[bytes]) -> None:
+        """``remove`` for every key of one DELETE batch (one session's ``space``)."""
+        if not self.tiers or not keys:
+            return
+        hashed = self.keys_of(space, keys)
+        for tier in self.tiers:
+            for ghost in tier.ghosts.values():
+                ghost.remove_many(hashed)
 
     def stats(self) -> dict[str, dict]:
         return {tier.tier: tier.stats() for tier in self.tiers}

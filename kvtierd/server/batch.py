@@ -79,6 +79,14 @@ class JobQueue:
         if self.nbytes >= self.target:
             self.flush()
 
+    def add_many(self, items: list[tuple], nbytes: int) -> None:
+        """``add`` of several items of ``nbytes`` in all (a job's worth from a batched primitive):
+        submitted together once ``target`` is reached."""
+        self.job.extend(items)
+        self.nbytes += nbytes
+        if self.nbytes >= self.target:
+            self.flush()
+
     def flush(self) -> None:
         if self.job:
             job, nbytes = self.job, self.nbytes

@@ -211,9 +211,9 @@ class Daemon:
         every tier (the chain's ChainEvents), every removal from the arena (CpuTier.on_remove);
         all no-ops without events_addr."""
         self.data.events = self.events
-        if self.events.enabled:
+        if self.events.enabled:  # unset, DELETE removes compact chunks without building entries
             self.mover.events = ChainEventsAdapter(self.events)
-        self.tier.on_remove = lambda entry: self.events.removed(entry.ikey, "cpu")
+            self.tier.on_remove = lambda entry: self.events.removed(entry.ikey, "cpu")
         self.metrics.registry.register(EventsCollector(self.events))
 
     def _quota_pages(self, tenant: str) -> int:

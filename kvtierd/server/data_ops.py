@@ -17,7 +17,9 @@ does only what is per item — validate, reserve or look up, queue the copy — 
 is done once per batch or per copy job: copies go out in jobs of a few MiB while later items are
 still being reserved (``kvtierd.server.batch``), a job's completion commits or releases its
 chunks in one pass, and metrics, hit accounting and the ghost feed are updated per job or per
-reply, with the same counts per scrape as per-item updates would give.
+reply, with the same counts per scrape as per-item updates would give. Without lower tiers and
+with shared staging (the common case), checked items are reserved or looked up a job's worth per
+call of the CPU tier's batch primitives (``kvtierd.server.fast_path``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import logging
 import time
 from collections import deque
 from functools import partial
+from operator import itemgetter
 from typing import Any, Callable
 
 from kvtierd.config import Config
@@ -36,10 +39,10 @@ from kvtierd.events import NO_EVENTS, NoEvents
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import MAX_KEY_BYTES, Op, ProtocolError, Status, Tier, reply
-from kvtierd.server import requests
+from kvtierd.server import fast_path, requests
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.batch import MAX_JOB_BYTES, Batch, JobQueue, job_bytes
-from kvtierd.server.chain import TierChain
+from kvtierd.server.chain import ChainEvents, TierChain
 from kvtierd.server.refusals import reserve_message
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.tenants import TenantTable
@@ -82,8 +85,7 @@ class DataOps:
         # Without lower tiers and with shared staging (the common case), an item is one reserve
         # and one queued copy, written out here: no call per item beyond the tier's.
         fast = not self.mover.links and staging is not None
-        space, fingerprint, owner = session.space, session.fingerprint, session.id
-        reserve, pending, add = self.tier.reserve, session.pending.add, queue.add
+        valid: list[tuple[int, bytes, int, int]] = []  # fast: the items to reserve, in order
         for i, (key, offset, nbytes) in enumerate(items):
             # The common case in one expression; anything else gets its exact message below.
             if not (type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES and type(nbytes) is int
@@ -100,15 +102,12 @@ class DataOps:
                 if problem is not None:
                     batch.fail(i, *problem)
                     continue
-            if not fast:
-                self._reserve_item(batch, queue, i, key, offset, nbytes)
-                continue
-            status, entry = reserve((space, key), fingerprint, nbytes, owner)
-            if entry is None:
-                self._refused(batch, i, status, key, offset, nbytes)
+            if fast:
+                valid.append((i, key, offset, nbytes))
             else:
-                pending(entry)
-                add((i, entry, offset), nbytes)
+                self._reserve_item(batch, queue, i, key, offset, nbytes)
+        if valid:
+            fast_path.reserve_items(self.tier, batch, queue, valid, self._refused)
         return self._built(batch, queue)
 
     def _reserve_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
@@ -196,6 +195,8 @@ class DataOps:
         queue = self._queue(batch, job_bytes(items, self.cfg.copy_threads))
         limit = staging.nbytes if staging is not None else -1
         leases = session.leases
+        fast = not self.mover.links and staging is not None
+        valid: list[tuple[int, bytes, int, int]] = []  # fast: the items to look up, in order
         for i, (key, offset, nbytes) in enumerate(items):
             if not (type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES and type(nbytes) is int
                     and type(offset) is int and 0 <= offset and 0 < nbytes
@@ -205,9 +206,14 @@ class DataOps:
                 if problem is not None:
                     batch.fail(i, *problem)
                     continue
+            if fast:  # its lease is consumed right before its lookup, as below
+                valid.append((i, key, offset, nbytes))
+                continue
             if leases:  # a GET consumes the lease
                 self.sessions.release_lease(session, (session.space, key))
             self._get_item(batch, queue, i, key, offset, nbytes)
+        if valid:
+            fast_path.get_items(self.tier, batch, queue, valid, self.sessions)
         done = self._built(batch, queue)
         if done is not None and staging is None:
             self.finish(batch, done, deferred=False)  # sent tracked: its bytes count until sent
@@ -371,23 +377,27 @@ class DataOps:
     def _put_job_done(self, batch: Batch, job: list, digests: Any,
                       error: BaseException | None) -> None:
         session = batch.session
-        session.pending.difference_update([entry for _, entry, _ in job])
+        session.pending.difference_update(map(itemgetter(1), job))
         if error is not None or session.closed:
             for index, entry, _ in job:
                 self._put_item_failed(batch, index, entry, error)
             return
-        commit, events, blocks = self.tier.commit, self.events, batch.blocks
-        stored = 0
-        for (index, entry, _), digest in zip(job, digests):
-            commit(entry, digest)
-            events.stored(entry.ikey, "cpu", blocks[index] if blocks else None)
-            stored += entry.nbytes
-            batch.ghost_keys.append(entry.ikey[1])
-            batch.ghost_nbytes.append(entry.nbytes)
-        self._bytes_in.inc(stored)
-        after_commit = self.mover.after_commit  # KV events and publishing, per chunk
-        for _, entry, _ in job:
-            after_commit(entry)
+        entries = [entry for _, entry, _ in job]
+        self.tier.commit_many(entries, digests)
+        if self.events.enabled:
+            events, blocks = self.events, batch.blocks
+            for index, entry, _ in job:
+                events.stored(entry.ikey, "cpu", blocks[index] if blocks else None)
+        sizes = [entry.nbytes for entry in entries]
+        batch.ghost_keys.extend([entry.ikey[1] for entry in entries])
+        batch.ghost_nbytes.extend(sizes)
+        self._bytes_in.inc(sum(sizes))
+        # Publishing below and the chain's events, per chunk; neither exists without lower tiers
+        # and with kv-events off (the chain's hooks are then its no-op ChainEvents).
+        if self.mover.links or type(self.mover.events) is not ChainEvents:
+            after_commit = self.mover.after_commit
+            for entry in entries:
+                after_commit(entry)
         self._feed_ghosts(batch)
 
     def _put_item_failed(self, batch: Batch, index: int, entry: ChunkEntry,
@@ -403,6 +413,9 @@ class DataOps:
 
     def _get_job_done(self, batch: Batch, job: list, corrupt: Any,
                       error: BaseException | None) -> None:
+        if error is None and not corrupt and not self.mover.links:  # all served, no admission
+            self._bytes_out.inc(self.tier.release_read(list(map(itemgetter(1), job))))
+            return
         release, after_read = self.tier.release, self.mover.after_read
         served = 0
         for pos, (index, entry, _) in enumerate(job):

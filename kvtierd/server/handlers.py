@@ -297,6 +297,8 @@ class OpHandlers:
 
     def delete(self, session: Session, header: dict, frames: list) -> dict:
         keys = requests.batch(header, "keys", self.cfg.max_batch)
+        if not self.mover.links and self.tier.on_remove is None:
+            return {"results": self._delete_arena_only(session, keys)}
         results = []
         for key in keys:
             problem = requests.key_problem(key)
@@ -312,6 +314,35 @@ class OpHandlers:
             results.append(int(self.mover.delete(ikey)))
             self.ghosts.remove(ikey)
         return {"results": results}
+
+    def _delete_arena_only(self, session: Session, keys: list) -> list[int]:
+        """DELETE without lower tiers and without kv-events (nothing wants an entry per removed
+        chunk): the CPU tier deletes the whole batch by slots, the ghosts forget it in one call.
+        The same statuses, leases and ghost updates as the per-key path."""
+        results = [0] * len(keys)
+        valid: list[bytes] = []
+        where: list[int] = []
+        for i, key in enumerate(keys):
+            problem = requests.key_problem(key)
+            if problem is not None:
+                results[i] = int(problem[0])
+            else:
+                valid.append(key)
+                where.append(i)
+        if not valid:
+            return results
+        statuses = self.tier.delete_many(session.space, valid, session.fingerprint)
+        mismatch = int(Status.LAYOUT_MISMATCH)
+        forgotten = []
+        for i, key, status in zip(where, valid, statuses):
+            results[i] = status
+            if status != mismatch:
+                forgotten.append(key)
+        if session.leases:  # released after the chunk left: unpinning a removed entry is a no-op
+            for key in forgotten:
+                self.sessions.release_lease(session, (session.space, key))
+        self.ghosts.remove_many(session.space, forgotten)
+        return results
 
     def stats(self, session: Session | None, header: dict, frames: list) -> dict:
         return {

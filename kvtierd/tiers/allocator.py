@@ -77,6 +77,33 @@ class PageAllocator:
             need -= take
         return runs
 
+    def allocate_many(self, count: int, n: int) -> list[Run]:
+        """Up to ``n`` runs of exactly ``count`` pages: what ``n`` calls of ``allocate(count)``
+        hand out while each still finds one run (first fit), in one pass over the extents. Fewer
+        when the extents run out of ``count``-page room: the caller allocates the rest one by one
+        (those may need several runs, or eviction)."""
+        if count <= 0:
+            raise ValueError(f"page count must be positive, got {count}")
+        starts, lengths = self._starts, self._lengths
+        runs: list[Run] = []
+        i = 0
+        while len(runs) < n and i < len(lengths):
+            length = lengths[i]
+            if length < count:
+                i += 1
+                continue
+            take = min(n - len(runs), length // count)
+            start, used = starts[i], take * count
+            runs.extend([(page, count) for page in range(start, start + used, count)])
+            if used == length:
+                del starts[i], lengths[i]
+            else:
+                starts[i] += used
+                lengths[i] -= used
+                i += 1  # what is left is shorter than count, or n runs are out
+            self.free_pages -= used
+        return runs
+
     def _take(self, i: int, count: int) -> Run:
         start = self._starts[i]
         if self._lengths[i] == count:

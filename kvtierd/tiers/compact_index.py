@@ -31,9 +31,10 @@ from array import array
 from typing import Hashable, Iterator
 
 from kvtierd.tiers.allocator import Run
-from kvtierd.tiers.chunk import ChunkEntry, ChunkState
+from kvtierd.tiers.chunk import ChunkEntry, ChunkState, ready_entry
 
 USED, ACTIVE, ON_NVME, VERIFIED, MULTI = 1, 2, 4, 8, 16
+SUMMED = 32  # the checksum column holds the chunk's checksum: folding it back need not write it
 CHECKSUM_BYTES = 16  # xxh3-128; an entry with another checksum length stays active
 _READY = ChunkState.READY
 
@@ -166,6 +167,22 @@ class ChunkIndex:
             self._loose.add(slot)
         return entry
 
+    def activate(self, slot: int, ikey: Hashable, fingerprint: str) -> ChunkEntry:
+        """``entry(slot)`` of a *compact* slot whose key and fingerprint the caller has just
+        matched (a batched lookup): the same entry, built without looking them up again."""
+        flags = self._flags[slot]
+        nbytes = self._nbytes[slot]
+        runs = (list(self._multi[slot]) if flags & MULTI
+                else [(self._start[slot], -(-nbytes // self.page_bytes) or 1)])
+        i = slot * CHECKSUM_BYTES
+        entry = ready_entry(ikey, fingerprint, nbytes, runs,
+                            bytes(self._sum[i:i + CHECKSUM_BYTES]), bool(flags & ON_NVME),
+                            bool(flags & VERIFIED), slot)
+        self.active[slot] = entry
+        self._flags[slot] = flags | ACTIVE
+        self._loose.add(slot)
+        return entry
+
     def _view(self, slot: int) -> ChunkEntry:
         flags = self._flags[slot]
         nbytes = self._nbytes[slot]
@@ -174,11 +191,9 @@ class ChunkIndex:
         runs = (list(self._multi[slot]) if flags & MULTI
                 else [(self._start[slot], max(1, -(-nbytes // self.page_bytes)))])
         i = slot * CHECKSUM_BYTES
-        return ChunkEntry(
-            ikey=(space.space, self._keys[slot]), fingerprint=self._fps.values[self._fp[slot]],
-            nbytes=nbytes, runs=runs, owner=0, state=_READY,
-            checksum=bytes(self._sum[i:i + CHECKSUM_BYTES]), on_nvme=bool(flags & ON_NVME),
-            verified=bool(flags & VERIFIED), slot=slot)
+        return ready_entry((space.space, self._keys[slot]), self._fps.values[self._fp[slot]],
+                           nbytes, runs, bytes(self._sum[i:i + CHECKSUM_BYTES]),
+                           bool(flags & ON_NVME), bool(flags & VERIFIED), slot)
 
     def holds(self, entry: ChunkEntry) -> bool:
         """Whether ``entry`` is the indexed object of its key (``get(entry.ikey) is entry``
@@ -229,6 +244,10 @@ class ChunkIndex:
         i = slot * CHECKSUM_BYTES
         return bytes(self._sum[i:i + CHECKSUM_BYTES])
 
+    def checksum_column(self, slot: int) -> bytes:
+        i = slot * CHECKSUM_BYTES
+        return bytes(self._sum[i:i + CHECKSUM_BYTES])
+
     def set_on_nvme(self, slot: int, on_nvme: bool) -> None:
         entry = self.active.get(slot)
         if entry is not None:
@@ -272,6 +291,40 @@ class ChunkIndex:
         if entry.state is _READY:
             self._loose.add(slot)
 
+    def add_many(self, space: tuple, fingerprint: str, entries: list[ChunkEntry]) -> None:
+        """``add`` of new single-run entries of one key space and one fingerprint (a PUT's
+        reservations: their keys are free and distinct), with the space and the fingerprint
+        looked up once instead of per entry."""
+        found = self._spaces.get(space)
+        if found is None:
+            found = self._new_space(space)
+        keys, active, free = found.keys, self.active, self._free_slots
+        fp, sid, flag = self._fps.take_many(fingerprint, len(entries)), found.id, USED | ACTIVE
+        for entry in entries:
+            key = entry.ikey[1]
+            assert key not in keys and len(entry.runs) == 1, f"{entry.ikey!r} cannot be added"
+            if free:
+                slot = free.pop()
+                self._space[slot] = sid
+                self._fp[slot] = fp
+                self._nbytes[slot] = entry.nbytes
+                self._start[slot] = entry.runs[0][0]
+                self._keys[slot] = key
+                self._flags[slot] = flag
+            else:
+                slot = len(self._keys)
+                self._space.append(sid)
+                self._fp.append(fp)
+                self._nbytes.append(entry.nbytes)
+                self._start.append(entry.runs[0][0])
+                self._keys.append(key)
+                self._flags.append(flag)
+                self._sum.extend(bytes(CHECKSUM_BYTES))
+            keys[key] = slot
+            entry.slot = slot
+            active[slot] = entry
+        self._count += len(entries)
+
     def add_compact(self, space: tuple, key: bytes, fingerprint: str, nbytes: int,
                     checksum: bytes, runs: list[Run], *, verified: bool) -> int:
         """Index an idle READY chunk straight into columns (recovery: no object per chunk)."""
@@ -282,7 +335,7 @@ class ChunkIndex:
             self.add(entry)
             return entry.slot
         slot = self._new_slot(space, key, fingerprint, nbytes, runs)
-        self._flags[slot] = (USED | (VERIFIED if verified else 0)
+        self._flags[slot] = (USED | SUMMED | (VERIFIED if verified else 0)
                              | (MULTI if len(runs) != 1 else 0))
         i = slot * CHECKSUM_BYTES
         self._sum[i:i + CHECKSUM_BYTES] = checksum
@@ -366,6 +419,18 @@ class ChunkIndex:
         del self.active[slot]
         self._loose.discard(slot)
         entry.slot = -1
+        self._unindex(slot)
+
+    def discard_slot(self, slot: int) -> list[Run]:
+        """Unindex the compact chunk of ``slot`` (no entry object exists); returns its runs."""
+        assert self._flags[slot] & USED and not self._flags[slot] & ACTIVE, (
+            f"slot {slot} is free or active")
+        runs = (self._multi[slot] if self._flags[slot] & MULTI
+                else [(self._start[slot], max(1, -(-self._nbytes[slot] // self.page_bytes)))])
+        self._unindex(slot)
+        return runs
+
+    def _unindex(self, slot: int) -> None:
         space = self._space_list[self._space[slot]]
         assert space is not None
         del space.keys[self._keys[slot]]  # type: ignore[arg-type]
@@ -396,10 +461,11 @@ class ChunkIndex:
             if (entry is None or entry.state is not _READY or entry.ref_count or entry.pin_count
                     or entry.demoting or entry.doomed or len(entry.checksum) != CHECKSUM_BYTES):
                 continue
-            i = slot * CHECKSUM_BYTES
-            sums[i:i + CHECKSUM_BYTES] = entry.checksum
-            flags[slot] = ((flags[slot] & (USED | MULTI)) | (ON_NVME if entry.on_nvme else 0)
-                           | (VERIFIED if entry.verified else 0))
+            if not flags[slot] & SUMMED:  # a new commit; a chunk's checksum never changes after
+                i = slot * CHECKSUM_BYTES
+                sums[i:i + CHECKSUM_BYTES] = entry.checksum
+            flags[slot] = ((flags[slot] & (USED | MULTI)) | SUMMED
+                           | (ON_NVME if entry.on_nvme else 0) | (VERIFIED if entry.verified else 0))
             del active[slot]
             folded += 1
         self._loose.clear()
@@ -427,6 +493,8 @@ class ChunkIndex:
             assert entry.fingerprint == self._fps.values[self._fp[slot]]
             assert entry.nbytes == self._nbytes[slot] and entry.runs[0][0] == self._start[slot]
             assert bool(self._flags[slot] & MULTI) == (len(entry.runs) != 1)
+            assert not self._flags[slot] & SUMMED or entry.checksum == self.checksum_column(slot), (
+                f"slot {slot}: its checksum column is stale")
         actives = sum(1 for f in self._flags if f & ACTIVE)
         assert actives == len(self.active), "ACTIVE flags and active entries disagree"
         assert len(self._free_slots) == len(self._keys) - self._count, "free slots drifted"

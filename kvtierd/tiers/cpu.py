@@ -8,6 +8,8 @@ Primitives (all called from the daemon's request loop, never concurrently):
 * ``acquire(entry)`` / ``release(entry)`` around every copy out of the arena
 * ``pin(entry)`` / ``unpin(entry)`` for leases
 * ``delete(ikey)``, ``enforce_watermarks()``, ``check_invariants()``
+* the same for a batch of one key space (``kvtierd.tiers.cpu_batch``): ``reserve_many``,
+  ``commit_many``, ``acquire_many``, ``release_read``, ``delete_many``
 
 Per-tenant quotas (``quota_pages(tenant)``, 0 = none): a tenant's pages (pending included, chunks
 on their way to NVMe excluded) may not pass its quota. A reservation that would pass it evicts the
@@ -29,7 +31,8 @@ from kvtierd.protocol import Status
 from kvtierd.tiers.allocator import PageAllocator
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.base import TierIndex
-from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments, tenant_of
+from kvtierd.tiers.cpu_batch import CpuBatchOps
+from kvtierd.tiers.chunk import ChunkEntry, ChunkState, pending_entry, segments, tenant_of
 from kvtierd.tiers.compact_index import ACTIVE, ChunkIndex
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
 from kvtierd.tiers.recovery import load_rows
@@ -37,7 +40,7 @@ from kvtierd.tiers.recovery import load_rows
 log = logging.getLogger(__name__)
 
 
-class CpuTier(TierIndex):
+class CpuTier(CpuBatchOps, TierIndex):
     name = "cpu"
 
     def __init__(
@@ -67,8 +70,9 @@ class CpuTier(TierIndex):
         self.on_evict = on_evict
         self.policy_name = policy
         # kv-events hook: called for every chunk that leaves the index (evicted, demoted, deleted,
-        # dropped after a failed check); set by the daemon.
-        self.on_remove: Callable[[ChunkEntry], None] = lambda entry: None
+        # dropped after a failed check); set by the daemon only when events are on (unset,
+        # DELETE removes compact chunks without building entries: CpuBatchOps.delete_many).
+        self.on_remove: Callable[[ChunkEntry], None] | None = None
         self.demoter: Callable[[ChunkEntry], bool] | None = None
         # With a persistent arena: its crash-safe index (rows written at commit, deleted before
         # pages are reused). None: a private arena that dies with the process.
@@ -98,7 +102,10 @@ class CpuTier(TierIndex):
         return max(1, -(-nbytes // self.page_bytes))
 
     def segments(self, entry: ChunkEntry) -> list[tuple[int, int]]:
-        return segments(entry.runs, entry.nbytes, self.page_bytes)
+        runs = entry.runs
+        if len(runs) == 1:  # most chunks (copy threads ask per item): the run holds the payload
+            return [(runs[0][0] * self.page_bytes, entry.nbytes)]
+        return segments(runs, entry.nbytes, self.page_bytes)
 
     # -- writes ----------------------------------------------------------------------------------
     def reserve(
@@ -121,7 +128,7 @@ class CpuTier(TierIndex):
             if runs is None:
                 self.counters["reserve_no_space"] += 1
                 return Status.NO_SPACE, None
-        entry = ChunkEntry(ikey=ikey, fingerprint=fingerprint, nbytes=nbytes, runs=runs, owner=owner)
+        entry = pending_entry(ikey, fingerprint, nbytes, runs, owner)
         self.index.add(entry)
         self.pending_chunks += 1
         self.pending_pages += pages
@@ -290,7 +297,8 @@ class CpuTier(TierIndex):
     def _remove(self, entry: ChunkEntry, row_deleted: bool = False) -> None:
         if self.db is not None and not row_deleted:  # the row goes before its pages are reused
             self.db.delete([entry.ikey])
-        self.on_remove(entry)  # kv-events hook
+        if self.on_remove is not None:
+            self.on_remove(entry)  # kv-events hook
         self.policy.remove(entry.slot)
         self.index.discard(entry)
         self.ready_chunks -= 1

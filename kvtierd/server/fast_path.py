@@ -1,0 +1,76 @@
+"""PUT and GET items of the common case, a job's worth per tier call: a session with shared
+staging (memfd or CUDA IPC) and a daemon without lower tiers.
+
+Why: at 16 KiB a chunk's memcpy takes ~2 µs, so the loop thread's Python per item decides the
+throughput. Here the handler has already checked every item (``kvtierd.server.data_ops``); these
+reserve or look up a job's worth of items in one call of the CPU tier's batch primitives
+(``kvtierd.tiers.cpu_batch``, the same semantics as the per-item ones) and queue them as one job,
+so the copy threads start on the first job while the loop prepares the next. Anything else
+(lower tiers, inline payloads) takes the per-item path in ``data_ops``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from kvtierd.protocol import Status
+from kvtierd.server.batch import Batch, JobQueue
+from kvtierd.server.sessions import SessionTable
+from kvtierd.tiers.cpu import CpuTier
+
+Item = tuple[int, bytes, int, int]  # (item index, key, staging offset, nbytes), checked
+Refused = Callable[[Batch, int, Status, bytes, Any, int], None]
+
+
+def _groups(queue: JobQueue, items: list[Item]) -> list[list[Item]]:
+    """``items`` cut into about one copy job each (batches are one chunk size)."""
+    step = max(1, queue.target // max(1, items[0][3]))
+    return [items[first:first + step] for first in range(0, len(items), step)]
+
+
+def reserve_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item],
+                  refused: Refused) -> None:
+    """Reserve and queue checked PUT items; ``refused`` answers an item the tier did not
+    reserve (exists, parked for space, or failed)."""
+    session = batch.session
+    space, fingerprint, owner = session.space, session.fingerprint, session.id
+    pending = session.pending.add
+    for group in _groups(queue, items):
+        reserved = tier.reserve_many(space, [item[1] for item in group],
+                                     [item[3] for item in group], fingerprint, owner)
+        job = []
+        job_bytes = 0
+        for (i, key, offset, nbytes), (status, entry) in zip(group, reserved):
+            if entry is None:
+                refused(batch, i, status, key, offset, nbytes)
+            else:
+                pending(entry)
+                job.append((i, entry, offset))
+                job_bytes += nbytes
+        queue.add_many(job, job_bytes)
+
+
+def get_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item],
+              sessions: SessionTable) -> None:
+    """Look up, acquire and queue checked GET items (a miss is answered in ``results``). An
+    item's lease is released just before its group is acquired: never a window in which a copy
+    completing inline could let an eviction take a chunk that is neither leased nor acquired."""
+    session = batch.session
+    results = batch.results
+    for group in _groups(queue, items):
+        keys = [item[1] for item in group]
+        if session.leases:  # a GET consumes the lease
+            for key in keys:
+                sessions.release_lease(session, (session.space, key))
+        batch.ghost_keys.extend(keys)  # the read refreshes the key in the ghosts, hit or not
+        found = tier.acquire_many(session.space, keys, [item[3] for item in group],
+                                  session.fingerprint)
+        job = []
+        job_bytes = 0
+        for (i, _, offset, nbytes), entry in zip(group, found):
+            if type(entry) is int:
+                results[i] = entry
+            else:
+                job.append((i, entry, offset))
+                job_bytes += nbytes
+        queue.add_many(job, job_bytes)
