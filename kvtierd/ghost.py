@@ -31,17 +31,29 @@ low watermark.
 
 Memory: a ghost entry costs about 140 bytes (an ``OrderedDict`` node holding a 64-bit key hash and
 a page count; ``tests/unit/kvtierd/test_ghost.py`` measures it), so a tier's ghosts hold at most
-``1.5 * MAX_KEYS`` entries (about 28 MB); the time is ~0.5 µs per access and ~2.5 µs per insert. A tier so large that its 4x ghost could hold more keys than
+``1.5 * MAX_KEYS`` entries (about 7 MB). A tier so large that its 4x ghost could hold more keys than
 ``MAX_KEYS`` (counting one page per chunk, the worst case) is simulated on a sample of the key space
-(spatial sampling, as in SHARDS: a key is simulated iff its hash falls below ``sample_ratio``, and
-the ghost capacities shrink by the same ratio); its counters then count the sampled accesses only,
-and their ratios estimate the hit ratios. Small tiers are simulated exactly (``sample_ratio`` 1).
+(spatial sampling, as in SHARDS: a key is simulated iff its 64-bit hash is below
+``sample_ratio * 2**64``, and the ghost capacities shrink by the same ratio); its counters then
+count the sampled accesses only, and their ratios estimate the hit ratios. Small tiers are
+simulated exactly (``sample_ratio`` 1). The sample is deterministic: xxh3 of the key, seeded by
+its key space, so the same keys are sampled in every process and run.
+
+Cost, and why ``MAX_KEYS`` is 32768: a LOOKUP batch hashes every key (one C loop) and compares it
+with each tier's threshold; only the sampled keys go into the ghosts, and a ghost access is an
+``OrderedDict`` lookup and move (~0.2-0.5 µs a key and ghost on the shared test machine, cache
+misses included). With 131072 keys a 100k-chunk tier sampled a quarter of its keys and the ghosts
+cost more than the index lookup itself; at 32768 it is 1/15 there and 1/150 at a million chunks,
+and the largest ghost still holds up to 32768 distinct keys, where SHARDS-style estimates are
+within a point or two (``tests/unit/kvtierd/test_ghost_batch.py`` checks the estimate against an
+exact simulation).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from functools import lru_cache
+from itertools import repeat
 from typing import Hashable, Iterable, Sequence
 
 import xxhash
@@ -49,9 +61,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 SCALES = (2, 4)
-MAX_KEYS = 1 << 17  # keys in a tier's largest ghost before it samples (~18 MB at ~140 B a key)
-_SAMPLE_BITS = 32
-_SAMPLE_MASK = (1 << _SAMPLE_BITS) - 1
+MAX_KEYS = 1 << 15  # keys in a tier's largest ghost before it samples (~4.6 MB at ~140 B a key)
+_SAMPLE_BITS = 64  # a key is sampled iff its 64-bit hash is below ratio * 2**64
+_SAMPLE_ALL = (1 << _SAMPLE_BITS) - 1  # a threshold above it samples every key
 
 
 @lru_cache(maxsize=1024)
@@ -85,6 +97,14 @@ class GhostLRU:
             self._order.move_to_end(key)
             return True
         return False
+
+    def access_many(self, keys: Iterable[int]) -> int:
+        """``access`` for each key, in order; returns how many hit. A read never inserts, so
+        which keys hit is known before any moves: two C loops instead of a call per key."""
+        order = self._order
+        held = list(filter(order.__contains__, keys))
+        deque(map(order.move_to_end, held), 0)
+        return len(held)
 
     def insert(self, key: int, pages: int) -> None:
         """A store of ``key``: held (most recent) with ``pages``; the coldest keys make room."""
@@ -149,7 +169,7 @@ class TierGhosts:
         self.capacity_bytes = {s: base_bytes + s * capacity_bytes for s in (1, *self.scales)}
         worst_keys = self.capacity_bytes[max(self.scales)] // page_bytes
         self.sample_ratio = min(1.0, max_keys / worst_keys) if worst_keys else 1.0
-        self._threshold = int(self.sample_ratio * (1 << _SAMPLE_BITS))
+        self._threshold = int(self.sample_ratio * (1 << _SAMPLE_BITS))  # 1 << 64: every key
         self.ghosts = {
             s: GhostLRU(int(self.capacity_bytes[s] * self.sample_ratio), page_bytes)
             for s in self.scales
@@ -158,7 +178,7 @@ class TierGhosts:
         self.hits = {s: 0 for s in (1, *self.scales)}
 
     def sampled(self, key: int) -> bool:
-        return (key & _SAMPLE_MASK) < self._threshold
+        return key < self._threshold
 
     def stats(self) -> dict:
         return {
@@ -211,26 +231,32 @@ class GhostCaches:
     def access_many(self, space: tuple[str, str, int], keys: Sequence[bytes],
                     hit_tiers: Sequence[str | None]) -> None:
         """``access`` for every key of one LOOKUP batch (one key space), in order: the same
-        counts and ghost updates, with the hashing and the per-tier set-up done once per batch
-        instead of once per key (a LOOKUP answers ~1M keys/s; per-key calls cost more than the
-        index itself)."""
-        seed = _space_seed(*space)
-        digest = xxhash.xxh3_64_intdigest
-        hashed = [digest(key, seed=seed) for key in keys]
-        depth = self._depth
-        reals = [-1 if hit is None else depth.get(hit, -1) for hit in hit_tiers]
+        counts and ghost updates. A LOOKUP must answer ~1M keys/s, so the per-key work is one
+        hash (``map``) and one comparison per tier (the sample); only the sampled keys (every key
+        of a small tier, ~1/150 at a million chunks) go into the ghosts, in C loops
+        (``GhostLRU.access_many``). A batch with one outcome for every key (all CPU hits, say)
+        counts its real hits without looking at the keys."""
+        n = len(keys)
+        if not self.tiers or not n:
+            return
+        hashed = list(map(xxhash.xxh3_64_intdigest, keys, repeat(_space_seed(*space), n)))
+        first = hit_tiers[0]
+        uniform = hit_tiers.count(first) == n
+        real = self._depth.get(first, -1)  # type: ignore[arg-type]
         for tier in self.tiers:
-            threshold, tier_depth, hits = tier._threshold, tier.depth, tier.hits
-            ghosts = list(tier.ghosts.items())
-            for key, real in zip(hashed, reals):
-                if (key & _SAMPLE_MASK) >= threshold:
-                    continue
-                tier.accesses += 1
-                if 0 <= real <= tier_depth:
-                    hits[1] += 1
-                for scale, ghost in ghosts:
-                    if ghost.access(key):
-                        hits[scale] += 1
+            threshold = tier._threshold
+            mine = hashed if threshold > _SAMPLE_ALL else [h for h in hashed if h < threshold]
+            if not mine:
+                continue
+            tier.accesses += len(mine)
+            if uniform:
+                tier.hits[1] += len(mine) if 0 <= real <= tier.depth else 0
+            else:
+                faster = {name for name, d in self._depth.items() if d <= tier.depth}
+                tier.hits[1] += sum(1 for h, hit in zip(hashed, hit_tiers)
+                                    if h < threshold and hit in faster)
+            for scale, ghost in tier.ghosts.items():
+                tier.hits[scale] += ghost.access_many(mine)
 
     def touch(self, ikey: Hashable) -> None:
         """One GET item: most recent in every ghost that holds it; no access is counted."""
@@ -336,7 +362,9 @@ class GhostCollector(Collector):
             labels=["tier", "scale"],
         )
         ratio = GaugeMetricFamily(
-            "kvtierd_ghost_sample_ratio", "Fraction of the key space a tier's ghosts simulate",
+            "kvtierd_ghost_sample_ratio",
+            "Fraction of the key space a tier's ghosts simulate (a deterministic hash sample of "
+            "the keys; 1 = every key)",
             labels=["tier"],
         )
         for tier in self._ghosts.tiers:

@@ -19,6 +19,7 @@ to ~1.4 billion chunks.
 from __future__ import annotations
 
 from array import array
+from itertools import compress
 from typing import Iterable, Iterator
 
 from kvtierd.eviction.base import EvictionPolicy
@@ -83,11 +84,20 @@ class LRUPolicy(EvictionPolicy):
         pos = len(log)
         size = len(stamp)
         append = log.append
-        if part < 0 and slots and max(slots) < size and NONE not in map(stamp.__getitem__, slots):
-            for slot in slots:  # all members (the common case): the log grows in one go
+        if part < 0 and slots and max(slots) < size:
+            first = pos
+            for slot in slots:  # members (the common case): stamped here, logged in one go
+                if stamp[slot] == NONE:
+                    break
                 stamp[slot] = pos
                 pos += 1
-            log.extend(slots)
+            done = pos - first
+            log.extend(slots[:done] if done < len(slots) else slots)
+            for slot in slots[done:]:  # from the first non-member on, one by one
+                if stamp[slot] != NONE:
+                    stamp[slot] = pos
+                    append(slot)
+                    pos += 1
         elif part < 0:
             for slot in slots:
                 if slot < size and stamp[slot] != NONE:
@@ -154,17 +164,25 @@ class LRUPolicy(EvictionPolicy):
                 yield slot
 
     def _rewrite(self) -> None:
-        """Drop every garbage entry and renumber positions from 0, keeping the order."""
-        stamp, log = self._stamp, self._log
+        """Drop every garbage entry and renumber positions from 0, keeping the order. Live
+        positions are marked from the stamps (one pass over the slots) and the log is filtered
+        by that mask in C (``compress``) instead of a Python test per entry: the log holds up to
+        three entries per live slot, and every LOOKUP hit adds one (the old one turns garbage)."""
+        stamp, log, head = self._stamp, self._log, self._head
+        live_mask = bytearray(len(log) - head)  # 1 where log[head + i] is live
+        for pos in stamp:
+            if pos != NONE:
+                live_mask[pos - head] = 1
         live_parts: dict[int, list[int]] = {}
         for part, plog in self._parts.items():
-            slots = [log[p] for p in plog[self._part_heads[part]:] if stamp[log[p]] == p]
+            slots = [log[p] for p in plog[self._part_heads[part]:]
+                     if p >= head and live_mask[p - head]]
             if slots:
                 live_parts[part] = slots
-        live = [s for p, s in enumerate(log[self._head:], self._head) if stamp[s] == p]
+        live = array("I", compress(log[head:], live_mask))
         for pos, slot in enumerate(live):
             stamp[slot] = pos
-        self._log, self._head = array("I", live), 0
+        self._log, self._head = live, 0
         self._parts = {part: array("I", [stamp[s] for s in slots])
                        for part, slots in live_parts.items()}
         self._part_heads = dict.fromkeys(self._parts, 0)

@@ -40,6 +40,25 @@ from kvtierd.tiers.base import MISMATCH_SLOT, MISS_SLOT
 from kvtierd.tiers.chunk import ChunkEntry
 
 log = logging.getLogger(__name__)
+_CPU, _NONE = int(Tier.CPU), int(Tier.NONE)
+
+
+def _keys_problem(keys: list) -> tuple[Status, str] | None:
+    """Why some key of a LOOKUP cannot name a chunk (the first such key), or None. A good batch
+    is checked in C: ``join`` refuses anything but bytes-like objects (msgpack decodes binary as
+    ``bytes`` only), then the shortest and longest key."""
+    try:
+        b"".join(keys)
+    except TypeError:
+        pass
+    else:
+        if not keys or (min(map(len, keys)) > 0 and max(map(len, keys)) <= MAX_KEY_BYTES):
+            return None
+    for key in keys:
+        problem = requests.key_problem(key)
+        if problem is not None:
+            return problem
+    return None
 
 
 class OpHandlers:
@@ -175,13 +194,11 @@ class OpHandlers:
         lower tier such as the remote one can tell about have answered (``TierChain.check``)."""
         keys = requests.batch(header, "keys", self.cfg.max_batch)
         lease = requests.flag(header, "lease", False)
-        for key in keys:
-            if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
-                problem = requests.key_problem(key)
-                if problem is not None:
-                    raise ProtocolError(problem[0], problem[1])
         if not self.mover.checks_existence:
             return self._lookup_batched(session, keys, lease)
+        problem = _keys_problem(keys)
+        if problem is not None:
+            raise ProtocolError(problem[0], problem[1])
         ikeys = [session.ikey(key) for key in keys]
         found = [self.mover.lookup(ikey, session.fingerprint) for ikey in ikeys]
         missed = [ikey for ikey, (status, _, entry) in zip(ikeys, found)
@@ -210,26 +227,50 @@ class OpHandlers:
     def _lookup_batched(self, session: Session, keys: list, lease: bool) -> dict:
         """Without a tier that needs existence checks: the arena answers the whole batch from its
         compact index (``lookup_slots``: no entry built unless a hit is leased), the lower tiers
-        only its misses; counts and ghosts are fed once per batch. Same answers, touches, leases
-        and counts as ``_lookup_answer`` over per-key lookups."""
+        only its misses; counts and ghosts are fed once per batch. Only the keys the index does
+        not hold are validated (before anything is touched): a hit is a key a PUT validated, and
+        checking 1024 keys' types and lengths cost as much as decoding them. Same answers,
+        touches, leases and counts as ``_lookup_answer`` over per-key lookups. A batch the arena
+        answers alone (all hits, or no lower tier) builds its answer with list operations."""
         cpu, fingerprint = self.mover.cpu, session.fingerprint
-        slots = cpu.lookup_slots(session.space, keys, fingerprint)
-        tiers = [int(Tier.CPU) if slot >= 0 else int(Tier.NONE) for slot in slots]
-        names: list[str | None] = ["cpu" if slot >= 0 else None for slot in slots]
-        hits: Counter[Tier] = Counter({Tier.CPU: len(slots) - names.count(None)})
-        misses: Counter[Status] = Counter({Status.LAYOUT_MISMATCH: slots.count(MISMATCH_SLOT)})
+
+        def refuse_bad_misses(found: list[int]) -> None:
+            if MISS_SLOT in found:
+                problem = _keys_problem([k for k, slot in zip(keys, found) if slot == MISS_SLOT])
+                if problem is not None:
+                    raise ProtocolError(problem[0], problem[1])
+
+        try:
+            slots = cpu.lookup_slots(session.space, keys, fingerprint, refuse_bad_misses)
+        except TypeError:  # an unhashable key (a msgpack array or map): refused before any touch
+            problem = _keys_problem(keys)
+            if problem is None:
+                raise
+            raise ProtocolError(problem[0], problem[1]) from None
+        n = len(slots)
+        missed, mismatched = slots.count(MISS_SLOT), slots.count(MISMATCH_SLOT)
+        if missed or mismatched:
+            tiers = [_CPU if slot >= 0 else _NONE for slot in slots]
+            names: list[str | None] = ["cpu" if slot >= 0 else None for slot in slots]
+        else:
+            tiers, names = [_CPU] * n, ["cpu"] * n
+        hits: Counter[Tier] = Counter({Tier.CPU: n - missed - mismatched})
+        misses: Counter[Status] = Counter({Status.LAYOUT_MISMATCH: mismatched})
         below: dict[int, ChunkEntry] = {}
-        for i, slot in enumerate(slots):
-            if slot != MISS_SLOT:
-                continue
-            status, tier, entry = self.mover.lookup_below(session.ikey(keys[i]), fingerprint)
-            if entry is None:
-                misses[status] += 1
-                continue
-            below[i] = entry
-            tiers[i] = int(tier)
-            names[i] = tier.name.lower()
-            hits[tier] += 1
+        if missed and not self.mover.links:
+            misses[Status.MISS] += missed
+        elif missed:
+            for i, slot in enumerate(slots):
+                if slot != MISS_SLOT:
+                    continue
+                status, tier, entry = self.mover.lookup_below(session.ikey(keys[i]), fingerprint)
+                if entry is None:
+                    misses[status] += 1
+                    continue
+                below[i] = entry
+                tiers[i] = int(tier)
+                names[i] = tier.name.lower()
+                hits[tier] += 1
         self.accounting.lookup_counts(+hits, +misses)
         self.ghosts.access_many(session.space, keys, names)
         if lease:

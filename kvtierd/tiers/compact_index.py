@@ -261,6 +261,11 @@ class ChunkIndex:
         """The interned id of ``fingerprint``, or -1 when no indexed chunk has it."""
         return self._fps.ids.get(fingerprint, -1)
 
+    def fingerprint_covers_all(self, fp_id: int) -> bool:
+        """Whether every indexed chunk has the interned fingerprint ``fp_id`` (a daemon serving
+        one layout): a batched lookup's hits then need no per-chunk layout check."""
+        return fp_id >= 0 and self._fps.refs[fp_id] == self._count
+
     def key_space(self, space: tuple) -> _Space | None:
         """One key space: ``.keys`` (key -> slot, read-only for callers) and ``.tenant``."""
         return self._spaces.get(space)

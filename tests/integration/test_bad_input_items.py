@@ -167,6 +167,9 @@ def test_key_length_and_type_are_checked_per_item(shared, memfd, sessions):
         assert reply["name"] == "KEY_TOO_LONG" and "65 bytes" in reply["message"], reply
         reply, _ = s.request(Op.LOOKUP, keys=[b""])
         assert reply["name"] == "BAD_REQUEST" and "empty" in reply["message"], reply
+        for bad in ("text-key", 5, None, [1, 2], {"k": 1}):  # after a good key: the whole batch
+            reply, _ = s.request(Op.LOOKUP, keys=[key64, bad])
+            assert reply["name"] == "BAD_REQUEST" and "not bytes" in reply["message"], reply
         reply, _ = s.request(Op.DELETE, keys=[key65, b"", "text-key"])
         assert names(reply["results"]) == ["KEY_TOO_LONG", "BAD_REQUEST", "BAD_REQUEST"]
         assert s.lookup([key64]) == [Tier.CPU]

@@ -12,8 +12,10 @@ PAGE = 4096
 SPACE = ("uid:1000", "ns", 0)
 
 
+@pytest.mark.parametrize("outcomes", [["cpu", "nvme", None], ["cpu"], ["nvme"], [None]],
+                         ids=["mixed", "all-cpu", "all-nvme", "all-miss"])  # uniform: no per-key
 @pytest.mark.parametrize("max_keys", [1 << 17, 64])  # exact, and sampled
-def test_access_many_matches_access_key_by_key(max_keys):
+def test_access_many_matches_access_key_by_key(max_keys, outcomes):
     rng = random.Random(max_keys)
     tiers = [("cpu", 64 * PAGE), ("nvme", 256 * PAGE)]
     batched, single = (GhostCaches(tiers, PAGE, max_keys=max_keys) for _ in range(2))
@@ -24,7 +26,7 @@ def test_access_many_matches_access_key_by_key(max_keys):
             ghosts.insert((SPACE, key), nbytes)
     for _ in range(20):
         batch = rng.sample(keys, 40)
-        hits = [rng.choice(["cpu", "nvme", None]) for _ in batch]
+        hits = [rng.choice(outcomes) for _ in batch]
         batched.access_many(SPACE, batch, hits)
         for key, hit in zip(batch, hits):
             single.access((SPACE, key), hit)
@@ -34,3 +36,31 @@ def test_access_many_matches_access_key_by_key(max_keys):
         for scale in a.ghosts:
             assert list(a.ghosts[scale]._order.items()) == list(b.ghosts[scale]._order.items())
     batched.check_invariants()
+
+
+
+def test_a_sampled_tier_fed_by_lookup_batches_estimates_the_exact_hit_ratios():
+    """Fed the way the daemon feeds them (1024-key LOOKUP batches, the misses then stored), ghosts
+    that simulate a tenth of the keys give the hit ratios of an exact simulation of the same
+    stream at every scale (the sample is xxh3 of the key: the same keys in every run)."""
+    rng = random.Random(14)
+    tiers = [("cpu", 20_000 * PAGE)]
+    sampled = GhostCaches(tiers, PAGE, max_keys=8192)
+    exact = GhostCaches(tiers, PAGE, max_keys=1 << 30)
+    assert sampled.tiers[0].sample_ratio == pytest.approx(0.1024)
+    universe = [rng.randbytes(16) for _ in range(200_000)]
+    weights = [1 / (k + 1) ** 0.6 for k in range(len(universe))]
+    stream = rng.choices(universe, weights=weights, k=150 * 1024)
+    for i in range(0, len(stream), 1024):
+        batch = stream[i:i + 1024]
+        for ghosts in (sampled, exact):
+            ghosts.access_many(SPACE, batch, [None] * len(batch))
+            ghosts.insert_many(SPACE, batch, [PAGE] * len(batch))
+    s, e = sampled.stats()["cpu"], exact.stats()["cpu"]
+    assert s["accesses"] == pytest.approx(e["accesses"] * 0.1024, rel=0.1)
+    assert e["keys"] == {"2": 40_000, "4": 80_000}  # both scales full: capacity decides
+    ratios = {k: e["hits"][k] / e["accesses"] for k in ("2", "4")}
+    assert 0.3 < ratios["2"] < ratios["4"] - 0.05 < 0.5, ratios
+    for scale, exact_ratio in ratios.items():
+        assert s["hits"][scale] / s["accesses"] == pytest.approx(exact_ratio, abs=0.02), scale
+    sampled.check_invariants()

@@ -89,3 +89,44 @@ def test_registry():
     assert make_policy("lru") is not make_policy("lru")  # one fresh policy per tier
     with pytest.raises(ValueError, match="'fifo'.*lru"):
         make_policy("fifo")
+
+
+@pytest.mark.parametrize("slack", [0, 65536])
+def test_touch_many_is_one_touch_per_slot_in_order(slack):
+    """A LOOKUP batch's touches (touch_many) leave the order one touch per slot would: with
+    duplicates, non-members (never inserted, removed, past the end) anywhere in the batch,
+    partitions, and rewrites in between (slack 0)."""
+    rng = random.Random(11 + slack)
+    many, one = LRUPolicy(slack=slack), LRUPolicy(slack=slack)
+    part_of = {}
+    for slot in range(40):
+        part_of[slot] = rng.choice([-1, 0, 1])
+        for policy in (many, one):
+            policy.insert(slot, part_of[slot])
+    removed: list[int] = []
+    for step in range(300):
+        part = rng.choice([-1, 0, 1])
+        members = [s for s in range(40) if part_of[s] == part and s not in removed]
+        batch = [rng.choice(members) for _ in range(rng.randint(1, 12))]
+        if step % 3 == 0:  # a non-member somewhere: removed, never inserted, past the end
+            batch.insert(rng.randrange(len(batch) + 1), rng.choice([*removed[-1:], 45, 1000]))
+        if step % 3 == 1 and removed:  # one below the end of the slots: stamped before it
+            batch.insert(rng.randrange(len(batch) + 1), removed[0])
+        many.touch_many(batch, part)
+        for slot in batch:
+            one.touch(slot, part)
+        if step % 25 == 24:  # a slot leaves the policy; the oldest one that left comes back
+            gone = rng.choice(members)
+            for policy in (many, one):
+                policy.remove(gone)
+            removed.append(gone)
+            if len(removed) > 2:
+                back = removed.pop(0)
+                for policy in (many, one):
+                    policy.insert(back, part_of[back])
+        assert list(many.victims()) == list(one.victims())
+        for p in (0, 1):
+            assert list(many.victims(p)) == list(one.victims(p))
+    many.check_invariants()
+    if slack == 0:
+        assert many.rewrites > 0

@@ -118,6 +118,92 @@ def test_eviction_order_is_lru_across_both_forms(make_arena):
     tier.check_invariants()
 
 
+def test_fingerprint_covers_all_follows_every_chunk_of_the_index(make_arena):
+    """The O(1) layout check of a batched lookup: true only while every indexed chunk (compact,
+    active or PENDING) has the reader's fingerprint."""
+    rng = random.Random(5)
+    tier = CpuTier(make_arena(16 * 4096), 4096)
+    index = tier.index
+    assert not index.fingerprint_covers_all(index.fingerprint_id("fp"))  # nothing indexed
+    put(tier, SPACE, b"a", 100, rng)
+    put(tier, OTHER, b"b", 100, rng)
+    tier.compact()
+    assert index.fingerprint_covers_all(index.fingerprint_id("fp"))
+    put(tier, SPACE, b"c", 100, rng, fp="fp2")
+    assert not index.fingerprint_covers_all(index.fingerprint_id("fp"))
+    assert tier.lookup_slots(SPACE, [b"a", b"c"], "fp")[1] == MISMATCH_SLOT
+    tier.delete((SPACE, b"c"))
+    assert index.fingerprint_covers_all(index.fingerprint_id("fp"))
+    assert index.fingerprint_id("fp2") == -1
+    status, pending = tier.reserve((SPACE, b"p"), "fp2", 100, owner=1)
+    assert status is Status.OK
+    assert not index.fingerprint_covers_all(index.fingerprint_id("fp"))
+    assert tier.lookup_slots(SPACE, [b"p", b"a"], "fp2")[0] == MISS_SLOT  # PENDING: invisible
+    tier.abort(pending)
+    assert index.fingerprint_covers_all(index.fingerprint_id("fp"))
+    tier.check_invariants()
+
+
+def test_lookup_slots_matches_per_key_lookups_on_random_batches(make_arena):
+    """The batched lookup (C-loop fast path or per-key slow path) answers and touches exactly as
+    one lookup per key: the same slots, the same mismatch count, the same eviction order."""
+    rng = random.Random(9)
+    tiers = [CpuTier(make_arena(64 * 4096), 4096) for _ in range(2)]
+    batched, single = tiers
+    names = [bytes([k]) * 4 for k in range(40)]
+    for i, key in enumerate(names[:30]):
+        for tier in tiers:
+            put(tier, SPACE, key, 100, random.Random(i), fp="fp2" if i % 10 == 9 else "fp")
+    for round_ in range(30):
+        if round_ == 15:  # from here on one layout only: the O(1) check applies
+            for tier in tiers:
+                for i in (9, 19, 29):
+                    tier.delete((SPACE, names[i]))
+        for tier in tiers:
+            tier.compact()
+        batch = [rng.choice(names) for _ in range(rng.randint(1, 20))]
+        slots = batched.lookup_slots(SPACE, batch, "fp")
+        expected = []
+        for key in batch:
+            status, entry = single.lookup((SPACE, key), "fp")
+            expected.append(entry.slot if entry is not None else
+                            MISMATCH_SLOT if status is Status.LAYOUT_MISMATCH else MISS_SLOT)
+        assert slots == expected
+        assert batched.counters["layout_mismatch"] == single.counters["layout_mismatch"]
+    order = [list(t.victim_slots(10_000)[0]) for t in tiers]
+    assert order[0] == order[1]
+    for tier in tiers:
+        tier.check_invariants()
+
+
+def test_lookup_slots_check_sees_the_misses_and_can_refuse_before_any_touch(make_arena):
+    """The LOOKUP handler validates only the keys that missed, through ``check``: it sees a slot
+    per indexed key (MISS_SLOT otherwise) and, when it raises, nothing was touched or counted."""
+    rng = random.Random(4)
+    tier = CpuTier(make_arena(8 * 4096), 4096)
+    for key in (b"a", b"b", b"c"):
+        put(tier, SPACE, key, 100, rng)
+    put(tier, SPACE, b"m", 100, rng, fp="fp2")
+    tier.compact()
+    before = list(tier.victim_slots(10_000)[0])
+    seen = []
+
+    def refuse(slots):
+        seen.append(list(slots))
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError):
+        tier.lookup_slots(SPACE, [b"a", b"x", b"m"], "fp", refuse)
+    assert seen[0][0] >= 0 and seen[0][1] == MISS_SLOT and seen[0][2] >= 0  # before the checks
+    assert list(tier.victim_slots(10_000)[0]) == before and not tier.counters["layout_mismatch"]
+    with pytest.raises(ValueError):
+        tier.lookup_slots(OTHER, [b"a"], "fp", refuse)  # a space with no chunks: all misses
+    assert seen[1] == [MISS_SLOT]
+    slots = tier.lookup_slots(SPACE, [b"a", b"x", b"m"], "fp", seen.append)
+    assert slots[1:] == [MISS_SLOT, MISMATCH_SLOT] and list(tier.victim_slots(10_000)[0]) != before
+    tier.check_invariants()
+
+
 def test_lookup_slots_answers_like_lookup(make_arena):
     rng = random.Random(3)
     tier = CpuTier(make_arena(16 * 4096), 4096)
