@@ -9,10 +9,12 @@ as to another node; ``tests/helpers/mooncake.py``) and, interleaved round by rou
 * **Mooncake raw**: its Python client's ``batch_put_from`` / ``batch_get_into`` of ``--bytes`` as
   256 KiB and 2 MiB objects from/into a registered buffer (``benchmarks/peers/mooncake.py``).
 * **kvtierd remote tier**: the same bytes in a real arena, published with the tier's write job
-  (header + arena pages per object, zero-copy, batches of the same size) and fetched with the
-  tier's batched read job, as the tier chain runs one GET's promotions from a tier with batched
-  reads (one job, one ``batch_get_into_multi_buffers`` per ``max_batch`` objects),
-  header check and xxh3-128 verification of every object included.
+  (arena pages + trailing header per object, zero-copy, batches of the same size) and fetched
+  with the tier's batched read job, as the tier chain runs one GET's promotions from a tier with
+  batched reads (one job, one ``batch_get_into_multi_buffers`` per ``max_batch`` objects) into
+  targets reserved as the CPU tier reserves them (a spare page: the header lands after the
+  payload, one buffer per object), header check and xxh3-128 verification of every object
+  included.
 * **Lookup latency** for 1 / 64 / 1024 keys (half of them present): the tier's existence-check job
   (names + ``batch_is_exist`` + recording the answer) against the raw ``batch_is_exist``.
 
@@ -75,11 +77,14 @@ def tier_round(tier: RemoteTier, arena: Arena, ns, chunk_bytes: int, nbytes: int
         put_s = time.perf_counter() - start
     for target, _ in items:
         tier.commit(target)
-    base = half // PAGE
-    arena.view[half:half + count * chunk_bytes] = b"\xa5" * (count * chunk_bytes)  # poison
+    # Each target as the CPU tier reserves a promotion while a contiguous run is free: room for
+    # the object's trailing header after the payload (LowerTier.read_slack_bytes).
+    base, padded = half // PAGE, -(-(chunk_bytes + tier.read_slack_bytes) // PAGE)
+    assert (base + count * padded) * PAGE <= arena.nbytes
+    arena.view[half:half + count * padded * PAGE] = b"\xa5" * (count * padded * PAGE)  # poison
     reads = []
     for i, (target, _) in enumerate(items):
-        dst = [(base + i * pages, pages)]
+        dst = [(base + i * padded, padded)]
         reads.append((target, dst, segments(dst, chunk_bytes, PAGE)))
     # One GET of every chunk, cut into read jobs as TierChain._submit_reads cuts it.
     assert tier.batched_reads  # so TierChain._submit_reads makes one job of them
@@ -98,7 +103,11 @@ def tier_round(tier: RemoteTier, arena: Arena, ns, chunk_bytes: int, nbytes: int
     bad = [r for r in results if isinstance(r, Exception)]
     assert not bad, f"{len(bad)} chunks failed their read: {bad[0]}"
     total = count * chunk_bytes
-    assert arena.view[half:half + total] == arena.view[:total], "remote tier returned other bytes"
+    for i, (_, _, segs) in enumerate(reads):
+        (offset, length), = segs
+        assert arena.view[offset:offset + length] == arena.view[i * chunk_bytes:
+                                                                (i + 1) * chunk_bytes], (
+            "remote tier returned other bytes")
     for target, _ in items:
         tier.delete(target.ikey)
     deletions = tier.take_deletions()
@@ -151,7 +160,9 @@ def run(args: argparse.Namespace) -> dict:
     nbytes = parse_size(args.bytes)
     sizes = list(SIZES)
     region = peer.Region(2 * nbytes)
-    arena = Arena(f"kvtierd-bench-remote-{os.getpid()}", 2 * nbytes, prefault=True, lock=False)
+    # the second half holds the read targets, each with a spare page for the trailing header
+    arena = Arena(f"kvtierd-bench-remote-{os.getpid()}", 2 * nbytes + nbytes // 2, prefault=True,
+                  lock=False)
     results: dict = {"bytes": nbytes, "rounds": args.rounds, "io_threads": args.io_threads,
                      "sizes": {}, "notes": []}
     try:
@@ -164,10 +175,14 @@ def run(args: argparse.Namespace) -> dict:
             try:
                 for size in sizes:
                     raw, ours = [], []
-                    for _ in range(args.rounds):  # interleaved: the machine's noise hits all
-                        raw.append(peer.measure(client, region, size, nbytes, master.ns))
-                        ours.append(tier_round(tier, arena, master.ns, size, nbytes,
-                                               args.io_threads))
+                    for r in range(args.rounds):  # interleaved: the machine's noise hits all
+                        # and in turns: whichever goes second meets what the first left behind
+                        sides = [lambda: raw.append(peer.measure(client, region, size, nbytes,
+                                                                 master.ns)),
+                                 lambda: ours.append(tier_round(tier, arena, master.ns, size,
+                                                                nbytes, args.io_threads))]
+                        for side in sides if r % 2 == 0 else sides[::-1]:
+                            side()
                     row = {key: {"store_gbps": max(r["store_gbps"] for r in runs),
                                  "load_gbps": max(r["load_gbps"] for r in runs)}
                            for key, runs in (("mooncake", raw), ("kvtierd", ours))}

@@ -49,8 +49,8 @@ class RemoteConfig:
     global_segment_bytes: int = 256 * 1024**2
     # Mooncake's local transfer buffer (used for copies that are not zero-copy).
     local_buffer_bytes: int = 64 * 1024**2
-    # Names every object (kvtierd/<cluster_id>/...): daemons of two clusters sharing one Mooncake
-    # never see each other's chunks. Daemons meant to share chunks use the same id.
+    # Names every object (kvtierd/v2/<cluster_id>/...): daemons of two clusters sharing one
+    # Mooncake never see each other's chunks. Daemons meant to share chunks use the same id.
     cluster_id: str = "default"
     # After the store fails as a whole (master down, timeout), the remote tier is skipped for this
     # long before it is tried again; local tiers serve meanwhile.

@@ -7,10 +7,12 @@ objects (header + payload). Every call blocks (network), so only the tier's jobs
 I/O engine's threads; Mooncake's client is thread-safe.
 
 Zero-copy: the arena is registered with Mooncake's transfer engine once (``register_buffer``), and
-so is a small pool of header slots; a put sends ``[header slot, arena segments...]`` with
+so is a small pool of header slots; a put sends ``[arena segments..., header slot]`` with
 ``batch_put_from_multi_buffers`` and a get lands the same way with ``batch_get_into_multi_buffers``,
 so payload bytes move between the arena and the remote segment without an intermediate copy (a
-chunk's non-contiguous pages are separate buffers of one object).
+chunk's non-contiguous pages are separate buffers of one object). A get whose payload is followed
+by room of the reader's own (``inline``) lands the header there instead: one buffer less, and one
+transfer less (Mooncake moves each buffer as a transfer of its own).
 
 Faults: a whole-store failure (master unreachable, RPC timeout) raises ``TierUnavailable`` (the
 chain then skips the tier for ``retry_s``); a per-object failure (not found, no space) is a result
@@ -98,10 +100,6 @@ class HeaderPool:
             with self._cond:
                 self._free.extend(slots)
                 self._cond.notify_all()
-
-    def read(self, address: int) -> bytes:
-        offset = address - self.address
-        return bytes(self.view[offset : offset + HEADER_BYTES])
 
     def write(self, address: int, header: bytes) -> None:
         offset = address - self.address
@@ -209,33 +207,47 @@ class MooncakeStore:
             ptrs, sizes = [], []
             for slot, header, buffers in zip(slots, headers, payloads):
                 self.headers.write(slot, header)
-                ptrs.append([slot] + [a for a, _ in buffers])
-                sizes.append([len(header)] + [n for _, n in buffers])
+                ptrs.append([a for a, _ in buffers] + [slot])
+                sizes.append([n for _, n in buffers] + [len(header)])
             codes = self._client().batch_put_from_multi_buffers(list(names), ptrs, sizes)
         self._raise_if_down(codes, "batch_put_from_multi_buffers")
         return [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]
 
-    def get(self, names: Sequence[str], payloads: Sequence[Sequence[tuple[int, int]]]
-            ) -> list[bytes | None]:
-        """Read each object into a header slot and its payload buffers; the header bytes where
-        exactly ``HEADER_BYTES + payload`` bytes arrived, else None (missing, or another size)."""
+    def get(self, names: Sequence[str], payloads: Sequence[Sequence[tuple[int, int]]],
+            inline: Sequence[bool]) -> list[bytes | None]:
+        """Read each object into its payload buffers and its header after them: into the
+        ``HEADER_BYTES`` right after the last payload buffer where ``inline`` (memory the reader
+        owns), else into a header slot. The header bytes where exactly ``payload +
+        HEADER_BYTES`` bytes arrived, else None (missing, or another size)."""
         out: list[bytes | None] = []
         for start in range(0, len(names), self.cfg.max_batch):
             end = start + self.cfg.max_batch
-            out.extend(self._get_part(names[start:end], payloads[start:end]))
+            out.extend(self._get_part(names[start:end], payloads[start:end], inline[start:end]))
         return out
 
-    def _get_part(self, names, payloads) -> list[bytes | None]:
-        with self.headers.take(len(names)) as slots:
-            ptrs, sizes, wanted = [], [], []
-            for slot, buffers in zip(slots, payloads):
-                ptrs.append([slot] + [a for a, _ in buffers])
-                sizes.append([HEADER_BYTES] + [n for _, n in buffers])
-                wanted.append(HEADER_BYTES + sum(n for _, n in buffers))
+    def _get_part(self, names, payloads, inline) -> list[bytes | None]:
+        slotted = [i for i, here in enumerate(inline) if not here]
+        with self.headers.take(len(slotted)) as slots:
+            where = dict(zip(slotted, slots))
+            ptrs, sizes, wanted, headers = [], [], [], []
+            for i, buffers in enumerate(payloads):
+                addresses = [a for a, _ in buffers]
+                lengths = [n for _, n in buffers]
+                slot = where.get(i)
+                if slot is None:  # the header lands right after the payload's last byte
+                    lengths[-1] += HEADER_BYTES
+                    headers.append(addresses[-1] + lengths[-1] - HEADER_BYTES)
+                else:
+                    addresses.append(slot)
+                    lengths.append(HEADER_BYTES)
+                    headers.append(slot)
+                ptrs.append(addresses)
+                sizes.append(lengths)
+                wanted.append(sum(lengths))
             codes = self._client().batch_get_into_multi_buffers(list(names), ptrs, sizes)
             self._raise_if_down(codes, "batch_get_into_multi_buffers")
-            return [self.headers.read(slot) if code == want else None
-                    for slot, code, want in zip(slots, codes, wanted)]
+            return [ctypes.string_at(header, HEADER_BYTES) if code == want else None
+                    for header, code, want in zip(headers, codes, wanted)]
 
     def remove(self, names: Sequence[str]) -> list[bool]:
         """Remove each object (forced: a reader's lease must not keep a corrupt object alive);

@@ -263,7 +263,8 @@ class DataOps:
 
     def _promote(self, batch: Batch, i: int, tier: Tier, source: ChunkEntry, key: bytes,
                  offset: Any, nbytes: int) -> None:
-        status, target = self.tier.reserve(source.ikey, source.fingerprint, nbytes, 0)
+        status, target = self.tier.reserve(source.ikey, source.fingerprint, nbytes, 0,
+                                           self.mover.link(tier).tier.read_slack_bytes)
         if target is None:
             if status is Status.NO_SPACE and self.mover.space_coming():
                 batch.parked.append((i, key, offset, nbytes))

@@ -77,6 +77,16 @@ class PageAllocator:
             need -= take
         return runs
 
+    def allocate_run(self, count: int) -> Run | None:
+        """``count`` pages as one run (first fit), or None when no free extent holds them."""
+        if count <= 0:
+            raise ValueError(f"page count must be positive, got {count}")
+        if count <= self.free_pages:
+            for i, length in enumerate(self._lengths):
+                if length >= count:
+                    return self._take(i, count)
+        return None
+
     def allocate_many(self, count: int, n: int) -> list[Run]:
         """Up to ``n`` runs of exactly ``count`` pages: what ``n`` calls of ``allocate(count)``
         hand out while each still finds one run (first fit), in one pass over the extents. Fewer
@@ -153,3 +163,20 @@ class PageAllocator:
             total += length
         assert end <= self.num_pages, f"free extent past the end: {end} > {self.num_pages}"
         assert total == self.free_pages, f"free count {self.free_pages} != extents {total}"
+
+
+def trim_runs(runs: list[Run], pages: int) -> tuple[list[Run], list[Run]]:
+    """``runs`` cut after their first ``pages`` pages: (the kept runs, the spare ones)."""
+    kept: list[Run] = []
+    spare: list[Run] = []
+    left = pages
+    for start, count in runs:
+        if left >= count:
+            kept.append((start, count))
+        elif left > 0:
+            kept.append((start, left))
+            spare.append((start + left, count - left))
+        else:
+            spare.append((start, count))
+        left -= count
+    return kept, spare

@@ -485,6 +485,19 @@ class ChunkIndex:
         self._free_slots.append(slot)
         self._count -= 1
 
+    def set_runs(self, entry: ChunkEntry, runs: list[Run]) -> None:
+        """Record that the indexed ``entry`` now holds ``runs`` (its first page unchanged: a
+        promotion's spare pages freed from the tail)."""
+        slot = entry.slot
+        assert slot >= 0 and self.active.get(slot) is entry, f"{entry.ikey!r} is not indexed"
+        assert runs and runs[0][0] == self._start[slot], "a chunk's first page never moves"
+        if len(runs) == 1:
+            self._multi.pop(slot, None)
+            self._flags[slot] &= ~MULTI
+        else:
+            self._multi[slot] = list(runs)
+            self._flags[slot] |= MULTI
+
     def loosen(self, entry: ChunkEntry) -> None:
         """``entry`` may have become idle: the next ``compact`` looks at it."""
         if entry.slot >= 0:

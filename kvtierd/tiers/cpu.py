@@ -28,7 +28,7 @@ from typing import Callable, Hashable
 
 from kvtierd.eviction import make_policy
 from kvtierd.protocol import Status
-from kvtierd.tiers.allocator import PageAllocator
+from kvtierd.tiers.allocator import PageAllocator, Run, trim_runs
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.base import TierIndex
 from kvtierd.tiers.cpu_batch import CpuBatchOps
@@ -109,8 +109,11 @@ class CpuTier(CpuBatchOps, TierIndex):
 
     # -- writes ----------------------------------------------------------------------------------
     def reserve(
-        self, ikey: Hashable, fingerprint: str, nbytes: int, owner: int
+        self, ikey: Hashable, fingerprint: str, nbytes: int, owner: int, slack: int = 0
     ) -> tuple[Status, ChunkEntry | None]:
+        """A PENDING entry of ``nbytes``. ``slack``: bytes a promotion's read job would like to
+        write after the payload (``LowerTier.read_slack_bytes``); given only as one run of free
+        pages (never evicting or exceeding a quota for it), and freed again at ``commit``."""
         existing = self.index.slot(ikey)
         if existing >= 0:
             return self._existing_status(existing, fingerprint, nbytes), None
@@ -121,7 +124,11 @@ class CpuTier(CpuBatchOps, TierIndex):
         if not self._within_quota(tenant, pages):
             self.quota_rejections[tenant] += 1
             return Status.QUOTA_EXCEEDED, None
-        runs = self.allocator.allocate(pages)
+        runs = self._with_slack(tenant, nbytes, slack) if slack else None
+        if runs is not None:
+            pages = runs[0][1]
+        else:
+            runs = self.allocator.allocate(pages)
         if runs is None:
             self._make_room(pages)
             runs = self.allocator.allocate(pages)
@@ -134,6 +141,26 @@ class CpuTier(CpuBatchOps, TierIndex):
         self.pending_pages += pages
         self.tenant_pages[tenant] += pages
         return Status.OK, entry
+
+    def _with_slack(self, tenant: str, nbytes: int, slack: int) -> list[Run] | None:
+        """One run for ``nbytes + slack`` from free pages, if there is one (else None)."""
+        padded = self.pages_for(nbytes + slack)
+        if not self._within_quota(tenant, padded):
+            return None
+        run = self.allocator.allocate_run(padded)
+        return None if run is None else [run]
+
+    def _trim(self, entry: ChunkEntry) -> None:
+        """Free the pages a PENDING entry holds beyond its payload (a promotion's slack)."""
+        extra = entry.pages - self.pages_for(entry.nbytes)
+        if extra <= 0:
+            return
+        runs, spare = trim_runs(entry.runs, entry.pages - extra)
+        self.allocator.free(spare)
+        self.index.set_runs(entry, runs)
+        entry.runs, entry.pages = runs, entry.pages - extra
+        self.pending_pages -= extra
+        self.tenant_pages[tenant_of(entry.ikey)] -= extra
 
     def _make_room(self, pages: int) -> None:
         """A reservation found no free run: evict (or start demoting) what it needs.
@@ -245,6 +272,8 @@ class CpuTier(CpuBatchOps, TierIndex):
 
     def commit(self, entry: ChunkEntry, checksum: bytes) -> None:
         assert entry.state is ChunkState.PENDING and self.index.holds(entry)
+        if entry.pages != self.pages_for(entry.nbytes):
+            self._trim(entry)
         if self.db is not None:  # durable before the PUT is answered
             self.db.insert([IndexRow.of(entry.ikey, entry.fingerprint, entry.nbytes, checksum,
                                         entry.runs)])
@@ -384,7 +413,10 @@ class CpuTier(CpuBatchOps, TierIndex):
         ready_chunks = ready_pages = pending_chunks = pending_pages = candidates = 0
         for ikey, entry in self.index.items():
             assert entry.ikey == ikey and not entry.doomed, f"index entry {ikey!r} is inconsistent"
-            assert entry.pages == self.pages_for(entry.nbytes), f"{ikey!r} has wrong page count"
+            assert (entry.pages == self.pages_for(entry.nbytes) or (
+                entry.state is ChunkState.PENDING and len(entry.runs) == 1
+                and entry.pages > self.pages_for(entry.nbytes))), (
+                f"{ikey!r} has wrong page count")  # a promotion's slack: one run, trimmed at commit
             assert entry.ref_count >= 0 and entry.pin_count >= 0
             owned.extend(entry.runs)
             candidate = entry.state is ChunkState.READY and not entry.demoting

@@ -184,6 +184,12 @@ class LowerTier(ABC):
     #: (benchmarks/remote_tier.py, 2 MiB objects), four concurrent jobs fetched 0.46-0.63x of
     #: Mooncake's own sequential batches, one job 0.86-0.88x.
     batched_reads: bool = False
+    #: Bytes a read job may write right after a payload, inside the target's own pages (the
+    #: remote tier lands an object's trailing header there, to read it as one buffer). The CPU
+    #: tier reserves a promotion target with this much room when a contiguous run of free pages
+    #: has it (never evicting for it) and frees the spare pages at commit; the job must not
+    #: count on it (``header_fits_after``).
+    read_slack_bytes: int = 0
     #: Seconds the chain skips this tier after a job raised TierUnavailable.
     retry_s: float = 10.0
     #: Set by the chain; every removal from the tier's index calls it.

@@ -79,8 +79,9 @@ class Harness:
         self.run(self.tier.write_job([(target, runs)], self.arena))
         self.tier.commit(target)
 
-    def load(self, key, nbytes: int, page: int, fingerprint: str = FP) -> bytes:
-        """LOOKUP (existence check) then a read into poisoned pages; the bytes read."""
+    def load(self, key, nbytes: int, page: int, fingerprint: str = FP, slack: int = 0) -> bytes:
+        """LOOKUP (existence check) then a read into poisoned pages (with room for ``slack``
+        bytes after the payload, as the CPU tier reserves a promotion); the bytes read."""
         status, entry = self.tier.lookup(key, fingerprint)
         if entry is None:
             unknown = self.tier.unknown([key])
@@ -89,10 +90,10 @@ class Harness:
             status, entry = self.tier.lookup(key, fingerprint)
         if entry is None:
             raise RemoteMiss(f"lookup: {status.name}")
-        runs = [(page, -(-nbytes // PAGE))]
+        runs = [(page, -(-(nbytes + slack) // PAGE))]
         segs = segments(runs, nbytes, PAGE)
-        for off, length in segs:
-            self.arena.view[off : off + length] = b"\xa5" * length  # poison
+        start, end = page * PAGE, (page + runs[0][1]) * PAGE
+        self.arena.view[start:end] = b"\xa5" * (end - start)  # poison, slack included
         self.tier.acquire(entry)
         try:
             digest = self.run(self.tier.read_job(entry, self.arena, runs, segs))
@@ -145,6 +146,22 @@ def test_round_trip_is_byte_exact_and_lookup_answers_remote(node: Harness) -> No
         node.load(key, len(data), page=32, fingerprint="fingerprint-b")
 
 
+def test_a_read_with_room_after_the_payload_lands_the_header_there(master, node) -> None:
+    """The one-buffer read (header after the payload, in the target's spare page) serves the
+    same verified bytes as the header-slot read, and writes nothing past the header."""
+    key = ikey("uid:1", b"inline")
+    data = os.urandom(2 * PAGE)
+    node.publish(key, data, page=0)
+    assert node.load(key, len(data), page=40, slack=objects.HEADER_BYTES) == data
+    after = 40 * PAGE + len(data) + objects.HEADER_BYTES
+    assert bytes(node.arena.view[after : 43 * PAGE]) == b"\xa5" * (43 * PAGE - after)
+    header = bytes(node.arena.view[40 * PAGE + len(data) : after])
+    name = node.tier.name_of(key, FP)
+    assert objects.check_header(header, name, key, FP, len(data)).checksum == checksum(
+        memoryview(data), [(0, len(data))])
+    assert node.load(key, len(data), page=50) == data  # no room: the header-slot read
+
+
 def test_flipped_byte_is_an_integrity_miss_and_the_object_is_removed(master, node) -> None:
     key = ikey("uid:1", b"victim")
     data = os.urandom(3 * PAGE)
@@ -155,7 +172,7 @@ def test_flipped_byte_is_an_integrity_miss_and_the_object_is_removed(master, nod
         with master.ns.entered():
             stored = bytearray(store.get(name))
             assert len(stored) == objects.HEADER_BYTES + len(data)
-            stored[objects.HEADER_BYTES + 1000] ^= 0x01
+            stored[1000] ^= 0x01  # a payload byte: the header follows the payload
             assert store.remove(name, True) == 0
             assert store.put(name, bytes(stored)) == 0
         with pytest.raises(IntegrityError, match="checksum"):
@@ -180,7 +197,7 @@ def test_forged_header_tenant_is_an_integrity_failure(master, node) -> None:
     store = raw_client(master)
     try:
         with master.ns.entered():
-            assert store.put(name, forged + data) == 0
+            assert store.put(name, data + forged) == 0
         with pytest.raises(IntegrityError, match="tenant"):
             node.load(key, len(data), page=0)
     finally:

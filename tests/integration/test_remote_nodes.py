@@ -169,7 +169,7 @@ def test_flipped_byte_in_a_remote_object_is_a_miss_counted_and_removed(master, n
         with master.ns.entered():
             stored = bytearray(raw.get(name))
             assert len(stored) == objects.HEADER_BYTES + 2 * 4 * PAGE, "not where expected"
-            stored[-7] ^= 0x10
+            stored[7] ^= 0x10  # a payload byte (the header follows the payload)
             assert raw.remove(name, True) == 0
             assert raw.put(name, bytes(stored)) == 0
         assert tiers_of(b, lay, chunks) == [Tier.REMOTE]
@@ -213,7 +213,8 @@ def test_one_bad_object_in_a_batched_fetch_fails_only_itself(master, nodes) -> N
     raw = mc.raw_client(master, segment_bytes=0)
     try:
         with master.ns.entered():
-            for index, offset in ((payload_flip, -7), (header_flip, 36)):  # 36: tenant digest
+            # the payload comes first, then the header (its tenant digest at byte 36)
+            for index, offset in ((payload_flip, 7), (header_flip, 36 - objects.HEADER_BYTES)):
                 stored = bytearray(raw.get(names[index]))
                 assert len(stored) == objects.HEADER_BYTES + 2 * 4 * PAGE, "not where expected"
                 stored[offset] ^= 0x10

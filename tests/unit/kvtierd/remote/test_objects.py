@@ -54,3 +54,10 @@ def test_header_round_trip_and_every_field_is_checked() -> None:
             objects.check_header(bytes(bad), name, ikey(), "fp", len(payload))
     with pytest.raises(objects.HeaderMismatch, match="bytes"):
         objects.check_header(raw[:-1], name, ikey(), "fp", len(payload))
+
+
+def test_names_carry_the_format_version() -> None:
+    """Daemons of two object formats sharing one store miss each other's objects (never read
+    them as corrupt, never remove them)."""
+    name = objects.object_name("c", ikey(), "fp")
+    assert name.startswith(f"kvtierd/v{objects.FORMAT_VERSION}/c/")

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kvtierd.tiers.allocator import PageAllocator
+from kvtierd.tiers.allocator import PageAllocator, trim_runs
 
 
 def pages_of(runs) -> set[int]:
@@ -85,6 +85,25 @@ def test_first_fit_uses_one_run_when_possible():
     assert alloc.allocate(12) == [(0, 12)]
     alloc.free(c)
     alloc.check_invariants()
+
+
+def test_allocate_run_is_one_run_or_nothing():
+    alloc = PageAllocator(16)
+    blocks = [alloc.allocate(4) for _ in range(4)]
+    alloc.free(blocks[0])
+    alloc.free(blocks[2])  # two holes of 4 pages
+    assert alloc.allocate_run(5) is None and alloc.free_pages == 8  # took nothing
+    assert alloc.allocate_run(3) == (0, 3)
+    assert alloc.allocate_run(4) == (8, 4)
+    alloc.check_invariants()
+    assert alloc.free_runs() == [(3, 1)]
+
+
+def test_trim_runs_keeps_the_first_pages():
+    assert trim_runs([(10, 5)], 4) == ([(10, 4)], [(14, 1)])
+    assert trim_runs([(10, 2), (20, 3)], 4) == ([(10, 2), (20, 2)], [(22, 1)])
+    assert trim_runs([(10, 2), (20, 3)], 2) == ([(10, 2)], [(20, 3)])
+    assert trim_runs([(10, 2), (20, 3)], 5) == ([(10, 2), (20, 3)], [])
 
 
 def test_double_free_and_out_of_range_raise():

@@ -101,6 +101,39 @@ def test_reserve_of_existing_key(tier):
     tier.abort(pending)
 
 
+def test_slack_is_one_run_of_free_pages_and_is_freed_at_commit(tier):
+    """A promotion target may get room after its payload (a remote read lands the object's
+    trailing header there): only as one run of free pages, never by evicting, and the spare
+    pages go back at commit (abort frees them with the rest)."""
+    rng = random.Random(3)
+    status, entry = tier.reserve((SPACE, b"a"), "fp", 2 * PAGE, 1, slack=84)
+    assert status is Status.OK and entry.runs == [(0, 3)] and tier.allocator.free_pages == 13
+    tier.check_invariants()
+    payload = rng.randbytes(2 * PAGE)
+    write(tier, entry, payload)
+    tier.commit(entry, xxhash.xxh3_128_digest(payload))
+    assert entry.runs == [(0, 2)] and entry.pages == 2 and tier.allocator.free_pages == 14
+    assert tier.stats()["used_bytes"] == 2 * PAGE and read(tier, entry) == payload
+    tier.check_invariants()
+    status, inside = tier.reserve((SPACE, b"b"), "fp", PAGE - 100, 1, slack=84)
+    assert inside.pages == 1  # the room after the payload is in its last page already
+    tier.abort(inside)
+    status, aborted = tier.reserve((SPACE, b"c"), "fp", PAGE, 1, slack=84)
+    assert aborted.pages == 2
+    tier.abort(aborted)
+    assert tier.allocator.free_pages == 14
+    for i in range(6):  # fill up, then free three holes of two pages
+        put(tier, b"f%d" % i, 2 * PAGE, rng)
+    put(tier, b"g", 2 * PAGE, rng)
+    for i in range(0, 6, 2):
+        tier.delete((SPACE, b"f%d" % i))
+    assert tier.allocator.free_runs() == [(2, 2), (6, 2), (10, 2)]
+    status, tight = tier.reserve((SPACE, b"t"), "fp", 2 * PAGE, 1, slack=84)
+    assert status is Status.OK and tight.pages == 2 and tight.runs == [(2, 2)]  # no run of 3
+    tier.abort(tight)
+    tier.check_invariants()
+
+
 def test_abort_frees_pages(tier):
     status, entry = tier.reserve((SPACE, b"a"), "fp", 5 * PAGE, 1)
     assert status is Status.OK and tier.allocator.free_pages == PAGES - 5
