@@ -37,8 +37,9 @@ promotion, NVMe write), and its removal from that tier (eviction, demotion, DELE
 check, an NVMe drop) when any rank's copy of it leaves (a prefix needs every rank). Hashes come
 from the PUT's ``blocks`` field (``kvtierd.event_blocks``); without it the chunk key stands in.
 Each start sends ``AllBlocksCleared`` first, and each clean stop last: what a run said is void
-after it (its sequence numbers and tracking are gone; chunks recovered from NVMe are served, not
-re-announced).
+after it (its sequence numbers and tracking are gone). After a clean stop, the next start
+re-announces what it recovered (NVMe, a re-attached arena) from the stop's snapshot
+(``kvtierd.event_snapshot``); after a crash it does not.
 
 **Threads**: the request loop only appends to lists and dicts (``stored``/``removed``) and, once
 per iteration, ``flush`` hands one batch per topic to a bounded queue; the publisher thread
@@ -118,6 +119,9 @@ class NoEvents:
 
     def cleared(self) -> None:
         pass
+
+    def announcements(self) -> dict[tuple, BlockInfo | None]:
+        return {}
 
     def flush(self) -> None:
         pass
@@ -242,6 +246,11 @@ class KVEvents(NoEvents):
         subscriber of ``kv@`` or of every topic receives)."""
         self._announced.clear()
         self._add("", {"type": "AllBlocksCleared"}, "cleared")
+
+    def announcements(self) -> dict[tuple, BlockInfo | None]:
+        """What is announced now: ``(tier, tenant, namespace, key)`` → the PUT's blocks (None:
+        the key stood in). For the restart snapshot (``kvtierd.event_snapshot``)."""
+        return dict(self._announced)
 
     def _add(self, namespace: str, event: dict, kind: str) -> None:
         self._pending[namespace].append(event)

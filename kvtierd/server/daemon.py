@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import zmq
 
-from kvtierd import __version__, cuda_health
+from kvtierd import __version__, cuda_health, event_snapshot
 from kvtierd.config import Config
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.events import (
@@ -279,9 +279,12 @@ class Daemon:
                 signal.signal(signal.SIGTERM, self.request_stop)
                 signal.signal(signal.SIGINT, self.request_stop)
             self._start_threads()
+            recovered = self._take_event_snapshot()
             if self.events.enabled:
                 self.events.start()
                 self.events.cleared()  # what an earlier run announced is void
+                for tier, ikey, info in recovered:  # ... but what it recovered is here
+                    self.events.stored(ikey, tier, info)
                 self.events.flush()  # queued before any request is answered, not after the first
             log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes)",
                      __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
@@ -444,6 +447,8 @@ class Daemon:
         self.engine.close()
         self.io_engine.close()
         self.mover.close()
+        if self.events.enabled and self._event_snapshot_path() is not None:
+            event_snapshot.save(self._event_snapshot_path(), self.events.announcements())
         self.events.cleared()  # kv-events hook: what it announced goes with it (or is unknown)
         self.events.close()
         self._close_sockets()
@@ -453,6 +458,18 @@ class Daemon:
         self.pinner.close()  # unregistered before the arena is unmapped
         self.arena.close(unlink=not self.cfg.cpu_persistent)
         log.info("kvtierd stopped")
+
+    def _event_snapshot_path(self) -> Path | None:
+        return event_snapshot.path_for(self.cfg, self.arena.name)
+
+    def _take_event_snapshot(self) -> list:
+        """Taken even with events off: a later run must never re-announce an old snapshot."""
+        path = self._event_snapshot_path()
+        if path is None:
+            return []
+        indexes = {"cpu": self.tier.index}
+        indexes.update((t.name, t.index) for t in self.mover.lower if isinstance(t, NvmeLowerTier))
+        return event_snapshot.recovered(path, indexes)
 
     def _close_sockets(self) -> None:
         """Close every socket before the context ends: ``term()`` with one left open blocks

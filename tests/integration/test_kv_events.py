@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from helpers.nvme import flip_byte, index_rows, metric, payload, wait_settled
+from helpers.nvme import flip_byte, index_rows, metric, payload, sigterm, wait_settled
 from helpers.handshake import ticket
 from helpers.raw import RawClient
 from helpers.wait import wait_for
@@ -111,6 +111,28 @@ def h(n: int) -> bytes:
 def w(*hashes: bytes) -> list[int]:
     """The hashes as published (events_int_hashes, the default): vLLM's uint64 naming."""
     return [int.from_bytes(x, "big") & (2**64 - 1) for x in hashes]
+
+
+def replay(address: str, decoder) -> list[tuple[bytes, int, list]]:
+    """Every buffered batch from sequence 0, as ``(topic, seq, events)``. vLLM's protocol:
+    [b"", start] in, [b"", topic, seq, payload] per batch out, then [b"", b"", -1, b""]; a DEALER
+    reads the whole stream (a REQ only its first message)."""
+    req = zmq.Context.instance().socket(zmq.DEALER)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(address)
+    replayed = []
+    try:
+        req.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            assert req.poll(30_000), "no replay answer"
+            empty, topic, seq, data = req.recv_multipart()
+            assert empty == b""
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                assert data == b"" and topic == b""
+                return replayed
+            replayed.append((topic, int.from_bytes(seq, "big"), decoder.decode(data).events))
+    finally:
+        req.close(linger=0)
 
 
 @pytest.fixture
@@ -225,25 +247,7 @@ def test_replay_returns_the_start_clear_and_every_batch_since(events_daemon, kv_
             rep, _ = raw.request(Op.PUT, frames=[payload(b"r2", PAGE)],
                                  items=[[b"r2", 0, PAGE]], blocks=bad)
             assert rep["name"] == "BAD_REQUEST" and "'blocks'" in rep["message"], rep
-        # vLLM's protocol: [b"", start] in, [b"", topic, seq, payload] per batch out, then
-        # [b"", b"", -1, b""]; a DEALER reads the whole stream (a REQ only its first message).
-        req = zmq.Context.instance().socket(zmq.DEALER)
-        req.setsockopt(zmq.LINGER, 0)
-        req.connect(d.replay_addr)
-        replayed = []
-        try:
-            req.send_multipart([b"", (0).to_bytes(8, "big")])
-            while True:
-                assert req.poll(30_000), "no replay answer"
-                empty, topic, seq, data = req.recv_multipart()
-                assert empty == b""
-                if seq == (-1).to_bytes(8, "big", signed=True):
-                    assert data == b"" and topic == b""
-                    break
-                replayed.append((topic, int.from_bytes(seq, "big"),
-                                 sub.decoder.decode(data).events))
-        finally:
-            req.close(linger=0)
+        replayed = replay(d.replay_addr, sub.decoder)
     finally:
         raw.close()
         sub.close()
@@ -272,6 +276,60 @@ def test_a_clean_stop_says_all_blocks_cleared_last(events_daemon, kv_events):
     finally:
         sub.close()
     assert "Traceback" not in d.log()
+
+
+def test_a_clean_restart_re_announces_what_it_recovered_and_a_crash_does_not(events_daemon,
+                                                                               kv_events):
+    """The chunks an NVMe tier keeps across a clean restart are announced again (after the
+    start's AllBlocksCleared, with the hashes their PUT gave); after a crash nothing is (the
+    snapshot is a clean stop's, and a start deletes it)."""
+    d = events_daemon
+    sub = Subscriber(d.events_addr, kv_events, d)
+    raw = hello(d.address)
+    try:
+        put(raw, {b"kept": payload(b"kept", PAGE)},
+            blocks=[{"hashes": [h(201), h(202)], "parent": h(200), "group": 1}])
+        put(raw, {b"gone": payload(b"gone", PAGE)}, blocks=[{"hashes": [h(203)]}])
+        fill = {f"g{i:02d}".encode(): payload(300 + i, PAGE) for i in range(16)}
+        put(raw, fill, blocks=[{"hashes": [h(300 + i)]} for i in range(16)])
+        wait_settled(d)
+        for hashes in (w(h(201), h(202)), w(h(203))):
+            sub.wait(lambda e, x=hashes: isinstance(e, kv_events.BlockStored)
+                     and e.block_hashes == x and e.medium == "STORAGE", f"{hashes} on STORAGE")
+        rep, _ = raw.request(Op.DELETE, keys=[b"gone"])
+        assert rep["results"] == [Status.OK]
+        sub.wait(lambda e: isinstance(e, kv_events.BlockRemoved) and e.block_hashes == w(h(203))
+                 and e.medium == "STORAGE", "gone removed from STORAGE")
+    finally:
+        raw.close()
+        sub.close()
+    sigterm(d)
+    snapshot = d.workdir / "nvme" / "events.snapshot"
+    assert snapshot.stat().st_mode & 0o777 == 0o600
+    d.restart()
+    assert not snapshot.exists(), "a start must take the snapshot (a crash must not reuse it)"
+    decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
+    events = [e for _, _, es in replay(d.replay_addr, decoder) for e in es]
+    assert type(events[0]).__name__ == "AllBlocksCleared"
+    stored = [e for e in events if isinstance(e, kv_events.BlockStored)]
+    kept = [e for e in stored if e.block_hashes == w(h(201), h(202))]
+    assert [(e.medium, e.parent_block_hash, e.group_idx, e.token_ids) for e in kept] == [
+        ("STORAGE", w(h(200))[0], 1, [])], kept
+    assert not [e for e in stored if e.block_hashes == w(h(203))], "a deleted chunk re-announced"
+    assert all(e.medium == "STORAGE" for e in stored)  # the arena is not persistent: CPU is empty
+    put_hashes = [w(h(201), h(202))] + [w(h(300 + i)) for i in range(16)]
+    assert all(e.block_hashes in put_hashes for e in stored), stored
+    raw = hello(d.address)
+    try:
+        rep, frames = raw.request(Op.GET, items=[[b"kept", 0, PAGE]])
+        assert rep["results"] == [Status.OK] and frames[0] == payload(b"kept", PAGE)
+    finally:
+        raw.close()
+    d.kill9()
+    d.restart()
+    events = [e for _, _, es in replay(d.replay_addr, decoder) for e in es]
+    assert not [e for e in events if isinstance(e, kv_events.BlockStored)
+                and e.medium == "STORAGE"], "re-announced after a crash"
 
 
 def test_events_are_off_by_default(daemon):
