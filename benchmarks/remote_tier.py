@@ -15,6 +15,8 @@ as to another node; ``tests/helpers/mooncake.py``) and, interleaved round by rou
   targets reserved as the CPU tier reserves them (a spare page: the header lands after the
   payload, one buffer per object), header check and xxh3-128 verification of every object
   included.
+* **Mooncake raw + xxh3**: the same gets, each batch's objects hashed as they arrive (what
+  kvtierd must do to every object it serves): the ceiling of a client that checks its bytes.
 * **Lookup latency** for 1 / 64 / 1024 keys (half of them present): the tier's existence-check job
   (names + ``batch_is_exist`` + recording the answer) against the raw ``batch_is_exist``.
 
@@ -174,13 +176,15 @@ def run(args: argparse.Namespace) -> dict:
             tier = RemoteTier(cfg, arena, PAGE)
             try:
                 for size in sizes:
-                    raw, ours = [], []
+                    raw, ours, checked = [], [], []
                     for r in range(args.rounds):  # interleaved: the machine's noise hits all
                         # and in turns: whichever goes second meets what the first left behind
                         sides = [lambda: raw.append(peer.measure(client, region, size, nbytes,
                                                                  master.ns)),
                                  lambda: ours.append(tier_round(tier, arena, master.ns, size,
-                                                                nbytes, args.io_threads))]
+                                                                nbytes, args.io_threads)),
+                                 lambda: checked.append(peer.measure(
+                                     client, region, size, nbytes, master.ns, verify=True))]
                         for side in sides if r % 2 == 0 else sides[::-1]:
                             side()
                     row = {key: {"store_gbps": max(r["store_gbps"] for r in runs),
@@ -192,6 +196,12 @@ def run(args: argparse.Namespace) -> dict:
                         # ratio of bests when other work comes and goes on the machine
                         row[f"{way[:-5]}_ratio_median"] = statistics.median(
                             o[way] / r[way] for o, r in zip(ours, raw))
+                    row["mooncake_verified"] = {
+                        "load_gbps": max(c["load_gbps"] for c in checked),
+                        "load_ratio_median": statistics.median(
+                            o["load_gbps"] / c["load_gbps"] for o, c in zip(ours, checked))}
+                    row["rounds"] = [{"mooncake": m, "kvtierd": o, "mooncake_verified": c}
+                                     for m, o, c in zip(raw, ours, checked)]
                     results["sizes"][str(size)] = row
                 results["lookup"] = lookup_latency(tier, client, master.ns, args.lookup_reps)
             finally:
@@ -217,6 +227,13 @@ def print_table(results: dict) -> None:
                   f"{row[way + '_ratio_median']:>17.2f}")
     print("ratio: best kvtierd round / best Mooncake round; median of rounds: the median of "
           "each round's own ratio")
+    print(f"\n{'chunk':>8} {'mooncake + xxh3 load GB/s':>26} {'kvtierd / it, median':>21}")
+    for size, row in results["sizes"].items():
+        checked = row["mooncake_verified"]
+        print(f"{int(size) // 1024:>6}Ki {checked['load_gbps']:>26.2f} "
+              f"{checked['load_ratio_median']:>21.2f}")
+    print("mooncake + xxh3: its client hashing each batch it got (kvtierd verifies every object "
+          "it fetches: the ceiling of a client that checks its bytes)")
     print(f"\n{'lookup keys':>11} {'mooncake ms':>12} {'kvtierd ms':>11}")
     for row in results["lookup"]:
         print(f"{row['keys']:>11} {row['mooncake_ms']:>12.3f} {row['kvtierd_ms']:>11.3f}")

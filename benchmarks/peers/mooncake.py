@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import xxhash
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -65,11 +67,14 @@ def store(workdir: Path, segment_bytes: int) -> Iterator[mc.MooncakeMaster]:
         server.stop()
 
 
-def measure(client, region: Region, chunk_bytes: int, nbytes: int, ns, threads: int = 0) -> dict:
+def measure(client, region: Region, chunk_bytes: int, nbytes: int, ns, threads: int = 0,
+            verify: bool = False) -> dict:
     """One round: put ``nbytes`` as chunks of ``chunk_bytes`` from the first half of ``region``,
     get them into the second half; GB/s each way (bytes verified after the clock stops). With
     ``threads``, the gets are one key per call on that many threads (the access pattern of
-    kvtierd's promotions, one read job per chunk) instead of batches."""
+    kvtierd's promotions, one read job per chunk) instead of batches. With ``verify``, each
+    batch's objects are hashed (xxh3-128, as kvtierd verifies every object it fetches) before the
+    next batch is asked for, inside the clock: the ceiling of a client that checks its bytes."""
     count = max(1, nbytes // chunk_bytes)
     half = region.nbytes // 2
     assert count * chunk_bytes <= half, "region too small"
@@ -98,6 +103,10 @@ def measure(client, region: Region, chunk_bytes: int, nbytes: int, ns, threads: 
                 codes = client.batch_get_into(keys[i:i + BATCH], dst[i:i + BATCH],
                                               sizes[i:i + BATCH])
                 assert all(c == chunk_bytes for c in codes), codes
+                if verify:
+                    for j in range(i, min(i + BATCH, count)):
+                        offset = half + j * chunk_bytes
+                        xxhash.xxh3_128_digest(region.view[offset:offset + chunk_bytes])
         get_s = time.perf_counter() - start
         client.batch_remove(keys, True)
     total = count * chunk_bytes
