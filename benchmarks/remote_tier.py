@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import statistics
@@ -121,7 +122,11 @@ def tier_round(tier: RemoteTier, arena: Arena, ns, chunk_bytes: int, nbytes: int
 
 
 def lookup_latency(tier: RemoteTier, client, ns, reps: int) -> list[dict]:
-    """Median seconds of one existence check of N keys, half present, tier vs raw."""
+    """Median seconds of one existence check of N keys, half present, tier vs raw. The tier runs
+    with its default ``max_batch`` here (one ``batch_is_exist`` for 1024 keys, as the raw side
+    asks); the transfers above use the raw side's batch of ``peer.BATCH`` objects."""
+    default = dataclasses.replace(tier.cfg, max_batch=RemoteConfig().max_batch)
+    tier.cfg = tier.store.cfg = default
     fp = "bench-lookup"
     space = ("bench", f"lookup-{uuid.uuid4().hex}", 0)
     present = [(space, b"p%d" % i) for i in range(max(LOOKUP_KEYS) // 2)]

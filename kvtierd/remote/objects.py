@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import struct
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, Sequence
 from urllib.parse import quote
 
 import xxhash
@@ -74,6 +74,21 @@ def object_name(cluster_id: str, ikey: Hashable, fingerprint: str) -> str:
     ``fingerprint``."""
     (tenant, namespace, rank), key = ikey  # type: ignore[misc]
     return _space_prefix(cluster_id, tenant, namespace, int(rank), fingerprint) + bytes(key).hex()
+
+
+def object_names(cluster_id: str, ikeys: Sequence[Hashable], fingerprint: str) -> list[str]:
+    """``object_name`` of each key, the space prefix worked out once per space (a LOOKUP's keys
+    share one)."""
+    prefixes: dict[Hashable, str] = {}
+    out = []
+    for space, key in ikeys:  # type: ignore[misc]
+        prefix = prefixes.get(space)
+        if prefix is None:
+            tenant, namespace, rank = space
+            prefix = prefixes[space] = _space_prefix(cluster_id, tenant, namespace, int(rank),
+                                                     fingerprint)
+        out.append(prefix + bytes(key).hex())
+    return out
 
 
 @functools.lru_cache(maxsize=4096)

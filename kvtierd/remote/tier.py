@@ -156,7 +156,7 @@ class RemoteTier(LowerTier):
         return [k for k in ikeys if k not in self.pending and k not in absent]
 
     def exists_job(self, ikeys: Sequence[Hashable], fingerprint: str) -> Job:
-        names = [self.name_of(k, fingerprint) for k in ikeys]
+        names = objects.object_names(self.cfg.cluster_id, ikeys, fingerprint)
         return lambda: self._ready().exists(names)
 
     def exists_done(self, ikeys: Sequence[Hashable], fingerprint: str,

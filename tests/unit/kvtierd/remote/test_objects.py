@@ -61,3 +61,9 @@ def test_names_carry_the_format_version() -> None:
     them as corrupt, never remove them)."""
     name = objects.object_name("c", ikey(), "fp")
     assert name.startswith(f"kvtierd/v{objects.FORMAT_VERSION}/c/")
+
+
+def test_names_of_a_batch_are_the_names_one_by_one() -> None:
+    keys = [ikey(key=b"\x01"), ikey(namespace="other", key=b"\x02"), ikey(key=b"\xff\x00")]
+    assert objects.object_names("c", keys, "fp") == [objects.object_name("c", k, "fp")
+                                                     for k in keys]
