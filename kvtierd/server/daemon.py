@@ -48,8 +48,7 @@ from kvtierd.server.connections import (
 from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
 from kvtierd.server.handshake import HandshakeServer
-from kvtierd.remote import build_remote_tier
-from kvtierd.remote.mooncake import RemoteSetupError
+from kvtierd.server import tier_setup
 from kvtierd.server.chain import TierChain
 from kvtierd.server.probes import ProbeSchedule
 from kvtierd.server.sessions import SessionTable
@@ -64,10 +63,9 @@ from kvtierd.server.startup import (  # noqa: F401 (StartupError: the CLI's impo
 from kvtierd.tenants import TenantTable
 from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
-from kvtierd.tiers.arena import SHM_DIR, Arena
-from kvtierd.tiers.index_db import ChunkIndexDB
+from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.cpu import CpuTier
-from kvtierd.tiers.lower import LowerTier, Publish, PublishPolicy
+from kvtierd.tiers.lower import LowerTier, PublishPolicy
 from kvtierd.tiers.base import TierIndex
 from kvtierd.tiers.nvme_lower import NvmeLowerTier
 from kvtierd.tiers.pinning import ArenaPinner
@@ -80,11 +78,6 @@ NOTICE = pack(reply(0, Status.OK, notice="probe"))
 NEEDS_SESSION = {Op.LOOKUP, Op.PUT, Op.GET, Op.DELETE, Op.BYE}
 MAX_TICKETS = 256  # handshakes awaiting their HELLO (each may hold a client's mapping)
 LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
-
-
-def remote_policy(cfg: Config) -> PublishPolicy:
-    """The remote tier's publishing policy (``remote_publish``, ``remote_publish_after_reads``)."""
-    return PublishPolicy(Publish(cfg.remote_publish), cfg.remote_publish_after_reads)
 
 
 class Daemon:
@@ -223,51 +216,10 @@ class Daemon:
         return max(1, quota // self.cfg.page_bytes) if quota else 0
 
     def _attach_arena_index(self, cfg: Config) -> None:
-        if not cfg.cpu_persistent:
-            return
-        db = ChunkIndexDB(
-            SHM_DIR / f"{self.arena.name}.index",
-            {"page_bytes": str(cfg.page_bytes), "cpu_bytes": str(cfg.cpu_bytes)},
-            synchronous="NORMAL",  # tmpfs: survives a daemon crash, not a reboot (nor does the arena)
-        )
-        recovered = self.tier.attach_index(db, self.arena.attached)
-        log.info("persistent arena %s: %s, %d chunks re-attached (checked on first read)",
-                 self.arena.path, "re-attached" if self.arena.attached else "new", recovered)
+        tier_setup.attach_arena_index(cfg, self.tier, self.arena)
 
     def _lower_tiers(self, cfg: Config) -> list[tuple[LowerTier, PublishPolicy]]:
-        """The tiers below the arena, in chain order, each with its publishing policy. Opened one
-        by one; a failure closes the ones already open (the start fails with its message)."""
-        tiers: list[tuple[LowerTier, PublishPolicy]] = []
-        try:
-            nvme = self._open_nvme(cfg)
-            if nvme is not None:
-                when = (Publish.ON_COMMIT if cfg.nvme_write_policy == "write-through"
-                        else Publish.ON_EVICT)
-                tiers.append((nvme, PublishPolicy(when, cfg.nvme_publish_after_reads)))
-            try:
-                remote = build_remote_tier(cfg, self.arena)
-            except RemoteSetupError as exc:
-                raise StartupError("remote.backend", cfg.remote.backend, str(exc)) from None
-            if remote is not None:
-                tiers.append((remote, remote_policy(cfg)))
-        except BaseException:
-            for tier, _ in tiers:
-                tier.close()
-            raise
-        return tiers
-
-    @staticmethod
-    def _open_nvme(cfg: Config) -> NvmeLowerTier | None:
-        if not cfg.nvme_bytes:
-            log.info("NVMe tier off (nvme_bytes = 0)")
-            return None
-        fault_file = Path(cfg.nvme_fault_file) if cfg.nvme_fault_file else None
-        if fault_file is not None:
-            log.warning("NVMe fault injection is ON (%s): a test setting", fault_file)
-        return NvmeLowerTier(cfg.resolved_nvme_dir(), cfg.nvme_bytes, cfg.page_bytes,
-                             policy=cfg.eviction_policy, fault_file=fault_file,
-                             instance=cfg.instance_id, dir_mode=cfg.state_dir_bits,
-                             queue_depth=cfg.io_queue_depth)
+        return tier_setup.lower_tiers(cfg, self.arena)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:

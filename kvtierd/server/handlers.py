@@ -75,6 +75,7 @@ class OpHandlers:
         self.cfg = cfg
         self.tenants = tenants
         self.mover = mover
+        self._ping = {"handshake": str(cfg.handshake_path)}  # a PING's answer never changes
         self.tier = mover.cpu
         self.sessions = sessions
         self.metrics = metrics
@@ -186,7 +187,7 @@ class OpHandlers:
         return {}
 
     def ping(self, session: Session | None, header: dict, frames: list) -> dict:
-        return {"handshake": str(self.cfg.handshake_path)}
+        return dict(self._ping)
 
     # -- index -----------------------------------------------------------------------------------
     def lookup(self, session: Session, header: dict, frames: list) -> dict | None:

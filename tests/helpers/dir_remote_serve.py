@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from helpers.dir_remote import DirRemoteTier  # noqa: E402
 from kvtierd import cli  # noqa: E402
-from kvtierd.server.daemon import Daemon, remote_policy  # noqa: E402
+from kvtierd.server.daemon import Daemon  # noqa: E402
+from kvtierd.server.tier_setup import remote_policy  # noqa: E402
 
 REMOTE_BYTES = 64 * 1024**2
 
