@@ -32,6 +32,7 @@ from typing import Hashable, Iterator
 
 from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, ready_entry
+from kvtierd.tiers.index_parts import Interner, KeySpace
 
 USED, ACTIVE, ON_NVME, VERIFIED, MULTI = 1, 2, 4, 8, 16
 SUMMED = 32  # the checksum column holds the chunk's checksum: folding it back need not write it
@@ -39,64 +40,15 @@ CHECKSUM_BYTES = 16  # xxh3-128; an entry with another checksum length stays act
 _READY = ChunkState.READY
 
 
-class _Space:
-    """One key space ``(tenant, namespace, rank)``: its keys and interned ids."""
-
-    __slots__ = ("space", "id", "tenant", "keys")
-
-    def __init__(self, space: tuple, sid: int, tenant: int) -> None:
-        self.space = space
-        self.id = sid
-        self.tenant = tenant
-        self.keys: dict[bytes, int] = {}
-
-
-class _Interner:
-    """Values <-> small ints, refcounted so that ids of vanished values are reused."""
-
-    def __init__(self) -> None:
-        self.ids: dict = {}
-        self.values: list = []
-        self.refs: list[int] = []
-        self._free: list[int] = []
-
-    def take(self, value) -> int:
-        i = self.ids.get(value)
-        if i is None:
-            if self._free:
-                i = self._free.pop()
-                self.values[i] = value
-                self.refs[i] = 0
-            else:
-                i = len(self.values)
-                self.values.append(value)
-                self.refs.append(0)
-            self.ids[value] = i
-        self.refs[i] += 1
-        return i
-
-    def take_many(self, value, count: int) -> int:
-        i = self.take(value)
-        self.refs[i] += count - 1
-        return i
-
-    def release(self, i: int) -> None:
-        self.refs[i] -= 1
-        if not self.refs[i]:
-            del self.ids[self.values[i]]
-            self.values[i] = None
-            self._free.append(i)
-
-
 class ChunkIndex:
     def __init__(self, page_bytes: int) -> None:
         self.page_bytes = page_bytes
-        self._spaces: dict[tuple, _Space] = {}
-        self._space_list: list[_Space | None] = []
+        self._spaces: dict[tuple, KeySpace] = {}
+        self._space_list: list[KeySpace | None] = []
         self._free_space_ids: list[int] = []
         self._tenants: dict[str, int] = {}  # tenant -> id (few; kept for the daemon's life)
         self._tenant_names: list[str] = []
-        self._fps = _Interner()
+        self._fps = Interner()
         # Columns, one item per slot.
         self._space = array("I")
         self._fp = array("I")
@@ -266,7 +218,7 @@ class ChunkIndex:
         one layout): a batched lookup's hits then need no per-chunk layout check."""
         return fp_id >= 0 and self._fps.refs[fp_id] == self._count
 
-    def key_space(self, space: tuple) -> _Space | None:
+    def key_space(self, space: tuple) -> KeySpace | None:
         """One key space: ``.keys`` (key -> slot, read-only for callers) and ``.tenant``."""
         return self._spaces.get(space)
 
@@ -439,7 +391,7 @@ class ChunkIndex:
         self._count += 1
         return slot
 
-    def _new_space(self, space: tuple) -> _Space:
+    def _new_space(self, space: tuple) -> KeySpace:
         tenant = self._tenants.get(space[0])
         if tenant is None:
             tenant = self._tenants[space[0]] = len(self._tenants)
@@ -449,7 +401,7 @@ class ChunkIndex:
         else:
             sid = len(self._space_list)
             self._space_list.append(None)
-        found = self._space_list[sid] = self._spaces[space] = _Space(space, sid, tenant)
+        found = self._space_list[sid] = self._spaces[space] = KeySpace(space, sid, tenant)
         return found
 
     def discard(self, entry: ChunkEntry) -> None:
