@@ -17,6 +17,7 @@ a temporary name and renamed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -37,7 +38,17 @@ Announced = dict[tuple, BlockInfo | None]  # (tier, tenant, namespace, key) → 
 
 
 def save(path: Path, announced: Announced) -> int:
-    """Write the announcements of the restorable tiers to ``path``; returns how many."""
+    """Write the announcements of the restorable tiers to ``path``; returns how many (0, logged,
+    when it cannot be written: a stop never fails for it, the next start re-announces nothing)."""
+    try:
+        return _write(path, announced)
+    except OSError as exc:
+        log.warning("KV-event snapshot %s not written (%s): the next start will not re-announce "
+                    "what it recovers", path, exc)
+        return 0
+
+
+def _write(path: Path, announced: Announced) -> int:
     rows = [[tier, tenant, namespace, key, None if info is None else
              [list(info.hashes), info.parent, info.group]]
             for (tier, tenant, namespace, key), info in announced.items()
@@ -58,10 +69,15 @@ def take(path: Path) -> list[tuple[str, Hashable, BlockInfo | None]]:
     unreadable or foreign file gives nothing (logged)."""
     try:
         raw = path.read_bytes()
+        path.unlink()
     except FileNotFoundError:
         return []
-    finally:
-        path.unlink(missing_ok=True)
+    except OSError as exc:  # unreadable, or not a file: this start never uses it, nor a later one
+        log.warning("KV-event snapshot %s not used (%s): recovered chunks not re-announced",
+                    path, exc)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return []
     try:
         doc = msgpack.unpackb(raw, raw=False, strict_map_key=False)
         if not isinstance(doc, dict):

@@ -49,3 +49,13 @@ def test_only_chunks_the_start_recovered_are_re_announced(tmp_path) -> None:
                                ("cpu", "uid:1", "ns", b"here"): None})
     held = event_snapshot.recovered(path, {"nvme": Index([(space, b"here")]), "cpu": Index([])})
     assert held == [("nvme", (space, b"here"), None)]
+
+
+def test_a_snapshot_that_cannot_be_written_or_read_is_logged_never_raised(tmp_path, caplog):
+    missing = tmp_path / "gone" / "events.snapshot"  # its directory does not exist
+    assert event_snapshot.save(missing, {("nvme", "t", "ns", b"k"): None}) == 0
+    assert "not written" in caplog.text
+    odd = tmp_path / "events.snapshot"
+    odd.mkdir()  # not a file
+    assert event_snapshot.take(odd) == []
+    assert "not used" in caplog.text
