@@ -1,7 +1,8 @@
 """Real vLLM (CPU build) with ``KVTierOffloadingSpec`` against a real daemon, three tiny models.
 
 Round A computes and stores; after ``reset_prefix_cache()`` round B must take its prefix from kvtierd
-(external hits, no local hits) and give the same tokens and the same logprobs, bit for bit. Round C
+(external hits, no local hits) and give the same tokens and the same logprobs (within batch noise,
+``BATCH_NOISE``: the models run in float32). Round C
 loads each chunk from its neighbour's key: its logprobs must change, or the check above proves
 nothing. A second vLLM process on the same daemon must hit what the first stored.
 """
@@ -38,7 +39,10 @@ def test_a_second_instance_hits_what_the_first_stored(scenario):
     assert x["local_hits"] == 0, x
     assert x["tokens"] == a["tokens"]
     assert_close(x["logprobs"], a["logprobs"])
-    assert x["logprobs"] == scenario.first["rounds"]["B"]["logprobs"]  # both loaded: bit for bit
+    # Both loaded the same prefix, yet not bit for bit: another process batches and schedules the
+    # uncached rest its own way (float32 sums differed by 5e-7 in one CI run); a wrong chunk moves
+    # the logprobs by more than WRONG_CHUNK_MIN (the neighbour test).
+    assert_close(x["logprobs"], scenario.first["rounds"]["B"]["logprobs"])
 
 
 def test_each_group_is_chunked_by_its_own_tokens_per_block(scenario):
