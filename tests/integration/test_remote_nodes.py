@@ -81,6 +81,18 @@ def published(master, daemon, count: int):
                           tier="remote") >= count * 2 * 4 * PAGE
 
 
+def flip_stored(raw, name: str, offset: int) -> None:
+    """Flip one bit of the object ``name`` in the store (``offset`` into payload + header; the
+    caller is inside the master's namespace)."""
+    from kvtierd.remote import objects
+
+    stored = bytearray(raw.get(name))
+    assert len(stored) == objects.HEADER_BYTES + 2 * 4 * PAGE, "not where expected"
+    stored[offset] ^= 0x10
+    assert raw.remove(name, True) == 0
+    assert raw.put(name, bytes(stored)) == 0
+
+
 def test_node_b_answers_remote_and_loads_what_node_a_stored(master, nodes) -> None:
     a, b = nodes("a"), nodes("b", global_segment_bytes=0)
     lay = layout()
@@ -167,11 +179,7 @@ def test_flipped_byte_in_a_remote_object_is_a_miss_counted_and_removed(master, n
     raw = mc.raw_client(master, segment_bytes=0)
     try:
         with master.ns.entered():
-            stored = bytearray(raw.get(name))
-            assert len(stored) == objects.HEADER_BYTES + 2 * 4 * PAGE, "not where expected"
-            stored[7] ^= 0x10  # a payload byte (the header follows the payload)
-            assert raw.remove(name, True) == 0
-            assert raw.put(name, bytes(stored)) == 0
+            flip_stored(raw, name, 7)  # a payload byte (the header follows the payload)
         assert tiers_of(b, lay, chunks) == [Tier.REMOTE]
         for t in kv.values():
             t.fill_(0xAB)
@@ -214,12 +222,8 @@ def test_one_bad_object_in_a_batched_fetch_fails_only_itself(master, nodes) -> N
     try:
         with master.ns.entered():
             # the payload comes first, then the header (its tenant digest at byte 36)
-            for index, offset in ((payload_flip, 7), (header_flip, 36 - objects.HEADER_BYTES)):
-                stored = bytearray(raw.get(names[index]))
-                assert len(stored) == objects.HEADER_BYTES + 2 * 4 * PAGE, "not where expected"
-                stored[offset] ^= 0x10
-                assert raw.remove(names[index], True) == 0
-                assert raw.put(names[index], bytes(stored)) == 0
+            flip_stored(raw, names[payload_flip], 7)
+            flip_stored(raw, names[header_flip], 36 - objects.HEADER_BYTES)
         assert tiers_of(b, lay, chunks) == [Tier.REMOTE] * len(chunks)
         with master.ns.entered():
             assert raw.remove(names[gone], True) == 0  # after B's LOOKUP found it
