@@ -10,6 +10,9 @@ Everything that moves chunks between tiers is written here once, for any ``Lower
   leaves the arena. A victim some tier already holds leaves at once.
 * **Publishing on commit** (``on-commit``, NVMe's write-through): every commit also starts a write;
   the arena copy stays. With an admission filter (``after_reads``) it starts at the N-th read.
+* **Cascading on eviction**: a chunk a lower tier evicts (NVMe, full) goes on to the first tier
+  below it whose policy is ``on-evict``, through bounce pages set aside in the arena
+  (``kvtierd.server.chain_cascade``); best effort, else it is dropped.
 * **Promotion**: a GET hit below reads the chunk into reserved arena pages (the caller parks items
   while the arena is full, as for any promotion), verified by the tier, then commits it. The
   promotions of one loop iteration (a GET batch, a parked retry) are queued per tier and flushed
@@ -38,7 +41,8 @@ from typing import Any, Callable, Hashable, Sequence, TypeVar
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import Status, Tier
-from kvtierd.server import chain_io
+from kvtierd.server import chain_cascade, chain_io
+from kvtierd.server.chain_cascade import Cascade
 from kvtierd.tiers.chunk import ChunkEntry
 from kvtierd.tiers.cpu import CpuTier
 from kvtierd.tiers.lower import LowerTier, Publish, PublishPolicy
@@ -107,6 +111,7 @@ class Link:
     queued: dict[str, list[tuple[ChunkEntry, ChunkEntry]]] = field(
         default_factory=lambda: {kind: [] for kind in WRITE_KINDS})  # (cpu entry, target)
     reads: list[Promotion] = field(default_factory=list)  # promotions waiting for flush
+    cascades: list[Cascade] = field(default_factory=list)  # evicted above, bound here, queued
 
     @property
     def name(self) -> str:
@@ -115,9 +120,10 @@ class Link:
 
 @dataclass(eq=False)
 class IoJob:
-    kind: str  # "demote" | "write_through" | "promote" | "delete" | "exists"
+    kind: str  # "demote" | "write_through" | "promote" | "cascade" | "delete" | "exists"
     link: Link
     reads: list[Promotion] | None = None  # promote: the items of one read job
+    cascades: list[Cascade] | None = None  # cascade: chunks evicted above, written to ``link``
     writes: list[tuple[ChunkEntry, ChunkEntry]] | None = None  # (cpu entry, target below)
     deleted: list[ChunkEntry] | None = None
     keys: list[Hashable] | None = None  # exists: the keys asked about
@@ -129,7 +135,8 @@ class IoJob:
 class TierChain:
     def __init__(self, cpu: CpuTier, lower: Sequence[tuple[LowerTier, PublishPolicy]],
                  engine: CopyEngine, metrics: DaemonMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 cascade_bytes: int = chain_cascade.CASCADE_BYTES) -> None:
         self.cpu = cpu
         self.engine = engine
         self._own_engines: list[CopyEngine] = []  # per-tier pools, closed with the chain
@@ -149,11 +156,13 @@ class TierChain:
         self.checks_in_flight = 0
         for link in self.links:
             link.tier.on_drop = partial(self._lower_dropped, link)
+            link.tier.on_evict = partial(self._lower_evicted, link)
             metrics.tier_available.labels(link.name).set(1)
             metrics.tier_unavailable.labels(link.name)  # primed at 0: alerts need a series
         if self.links:
             cpu.demoter = self.demote
         cpu.on_evict = self._cpu_evicted
+        self.bounce = chain_cascade.set_aside(cpu, self.links, cascade_bytes)
 
     @property
     def checks_existence(self) -> bool:
@@ -351,6 +360,13 @@ class TierChain:
     def _lower_dropped(self, link: Link, entry: ChunkEntry) -> None:
         self.events.dropped(link.name, entry)
 
+    def _lower_evicted(self, link: Link, entry: ChunkEntry) -> None:
+        """``link``'s tier evicts ``entry``: maybe held and queued further down
+        (``kvtierd.server.chain_cascade``)."""
+        cascade = chain_cascade.hold(self, link, entry)
+        if cascade is not None:
+            cascade[0].cascades.append(cascade[1])
+
     # -- submitting --------------------------------------------------------------------------------
     def flush(self) -> None:
         """Submit the reads, writes and deletes queued during this loop iteration (called by the
@@ -359,6 +375,12 @@ class TierChain:
             if link.reads:
                 reads, link.reads = link.reads, []
                 self._submit_reads(link, reads)
+            if link.cascades:
+                cascades, link.cascades = link.cascades, []
+                for batch in split(cascades, lambda c: c.target.nbytes, WRITE_JOB_BYTES):
+                    self._submit(IoJob("cascade", link, cascades=batch),
+                                 chain_cascade.job(self.cpu, link, batch),
+                                 sum(c.target.nbytes for c in batch))
             for kind, queued in link.queued.items():
                 if queued:
                     link.queued[kind] = []
@@ -408,6 +430,10 @@ class TierChain:
     def check_invariants(self) -> None:
         for tier in self.lower:
             tier.check_invariants()
+        if self.bounce is not None:
+            self.bounce.allocator.check_invariants()
+            held = sum(n for link in self.links for c in link.cascades for _, n in c.bounce)
+            assert held <= self.bounce.pages - self.bounce.allocator.free_pages, "bounce pages lost"
 
     def close(self) -> None:
         """Close the tiers' own pools (waiting for their jobs), then the tiers."""

@@ -123,6 +123,31 @@ def _promoted(chain: TierChain, job: IoJob, read: Promotion, outcome: Any) -> No
     read.done(True, "")
 
 
+def _cascade_done(chain: TierChain, job: IoJob, result: Any, error: BaseException | None) -> None:
+    """Chunks evicted above, read into arena pages and written to ``job.link``'s tier: each one
+    committed there or its reservation aborted; the arena pages and the evicted copy let go."""
+    assert job.cascades is not None
+    link = job.link
+    if error is not None and not isinstance(error, TierUnavailable):
+        chain.metrics.io_failures.labels(link.name, reason(error)).inc()
+        log.error("%s write of %d chunks evicted from the tier above failed (%s); dropped",
+                  link.name, len(job.cascades), error)
+    elif isinstance(error, TierUnavailable):
+        chain.trip(link, error)
+    outcomes = result if error is None else [error] * len(job.cascades)
+    for c, outcome in zip(job.cascades, outcomes):
+        if outcome is None:
+            link.tier.commit(c.target)
+            chain.events.stored(link.name, c.target)
+            chain.metrics.bytes.labels("cascade", link.name).inc(c.target.nbytes)
+        else:
+            link.tier.abort(c.target)
+            if error is None:  # this chunk's read failed: the copy above is gone anyway
+                chain.metrics.io_failures.labels(c.source_link.name, reason(outcome)).inc()
+        chain.bounce.give_back(c.bounce)
+        c.source_link.tier.release(c.source)  # doomed: its pages come back via a delete job
+
+
 def _delete_done(chain: TierChain, job: IoJob, result: Any, error: BaseException | None) -> None:
     assert job.deleted is not None
     tier = job.link.tier
@@ -156,4 +181,5 @@ def reason(error: BaseException) -> str:
 
 
 _DONE = {"demote": _demote_done, "write_through": _write_through_done,
-         "promote": _promote_done, "delete": _delete_done, "exists": _exists_done}
+         "promote": _promote_done, "cascade": _cascade_done, "delete": _delete_done,
+         "exists": _exists_done}

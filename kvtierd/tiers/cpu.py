@@ -85,6 +85,7 @@ class CpuTier(CpuBatchOps, TierIndex):
         # Running totals, so that stats() and metric scrapes are O(1) however big the index.
         self.ready_chunks = self.ready_pages = 0
         self.pending_chunks = self.pending_pages = 0
+        self.set_aside_runs: list[Run] = []  # pages lent out for good (``set_aside``)
         self.quota_pages = quota_pages
         self._parts: dict[int, int] = {}  # interned tenant -> its LRU partition (-1: none)
         # Pages allocated to each tenant's chunks (pending, ready, demoting, doomed-but-read),
@@ -161,6 +162,15 @@ class CpuTier(CpuBatchOps, TierIndex):
         entry.runs, entry.pages = runs, entry.pages - extra
         self.pending_pages -= extra
         self.tenant_pages[tenant_of(entry.ikey)] -= extra
+
+    def set_aside(self, pages: int) -> Run | None:
+        """Take ``pages`` free pages as one run out of the tier for good (the chain's bounce pages
+        for chunks cascading between lower tiers): counted as used, never a chunk's. None when
+        no free run is that long."""
+        run = self.allocator.allocate_run(pages)
+        if run is not None:
+            self.set_aside_runs.append(run)
+        return run
 
     def _make_room(self, pages: int) -> None:
         """A reservation found no free run: evict (or start demoting) what it needs.
@@ -244,6 +254,7 @@ class CpuTier(CpuBatchOps, TierIndex):
         into the compact index (they are re-verified on first read). Returns the number of
         chunks recovered."""
         self.db = db
+        assert not self.set_aside_runs, "pages are set aside after recovery, never before"
         if not attached or db.reset_reason:
             db.clear()
             return 0
@@ -434,6 +445,7 @@ class CpuTier(CpuBatchOps, TierIndex):
             assert entry.doomed and entry.ref_count > 0, "doomed entry without readers"
             owned.extend(entry.runs)
         owned.extend(self.allocator.free_runs())
+        owned.extend(self.set_aside_runs)
         owned.sort()
         end = 0
         for start, count in owned:
@@ -460,5 +472,6 @@ class CpuTier(CpuBatchOps, TierIndex):
             f"per-tenant pages drifted: counted {dict(self.tenant_pages)}, held {dict(pages)}")
         assert {t: n for t, n in self.tenant_demoting.items() if n} == demoting, (
             "per-tenant demoting pages drifted")
-        assert sum(pages.values()) == self.num_pages - self.allocator.free_pages, (
+        aside = sum(count for _, count in self.set_aside_runs)
+        assert sum(pages.values()) == self.num_pages - self.allocator.free_pages - aside, (
             "tenants' pages and the allocator disagree")

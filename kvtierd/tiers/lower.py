@@ -194,6 +194,10 @@ class LowerTier(ABC):
     retry_s: float = 10.0
     #: Set by the chain; every removal from the tier's index calls it.
     on_drop: Callable[[ChunkEntry], None]
+    #: Set by the chain; a tier that evicts (NVMe) calls it for each victim just before dropping
+    #: it, so that the chain may ``acquire`` the victim to copy it further down (its pages are then
+    #: freed when it is released, as for any doomed chunk). The default does nothing.
+    on_evict: Callable[[ChunkEntry], None] = staticmethod(lambda entry: None)
 
     # -- lookups -------------------------------------------------------------------------------
     @abstractmethod

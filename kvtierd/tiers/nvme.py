@@ -110,6 +110,7 @@ class NvmeTier(TierIndex):
         self._doomed: set[ChunkEntry] = set()
         self._to_free: list[ChunkEntry] = []  # left the index; rows to delete, then pages to free
         self.on_drop: Callable[[ChunkEntry], None] = lambda entry: None
+        self.on_evict: Callable[[ChunkEntry], None] = lambda entry: None
         self.ready_chunks = self.ready_pages = 0
         self._recover(on_status or (lambda _: None))
 
@@ -180,6 +181,9 @@ class NvmeTier(TierIndex):
         than needed (1/64 of the tier) keeps this to one fsync per many demotions.
         """
         slack = max(1, self.num_pages // 64)
+        # A victim the chain holds to cascade further down frees its pages only once it is read:
+        # then this reservation fails and the chain writes its chunk to the next tier instead,
+        # rather than evicting (and losing) more here.
         self.evict(pages + slack - self.allocator.free_pages - self.pending_free_pages)
         entries = self.take_deletions()
         if entries:
@@ -283,6 +287,9 @@ class NvmeTier(TierIndex):
     def evict(self, pages_needed: int) -> int:
         victims, freed = self.pick_victims(pages_needed)
         for entry in victims:
+            self.on_evict(entry)  # the chain may hold it to copy it below (LowerTier.on_evict)
+            if entry.ref_count:
+                freed -= entry.pages  # freed when the chain releases it
             self.drop(entry)
             self.counters["evictions"] += 1
         return freed

@@ -42,11 +42,12 @@ class Recorder(ChainEvents):
 
 
 class Stack:
-    def __init__(self, tmp_path, nvme_policy, remote_policy, nvme=True, pages=16, low=0.90):
+    def __init__(self, tmp_path, nvme_policy, remote_policy, nvme=True, pages=16, low=0.90,
+                 cascade_pages=0, nvme_pages=16):
         self.arena = Arena(f"kvtierd-test-chain-{uuid.uuid4().hex[:8]}", pages * PAGE,
                            prefault=False, lock=False)
         self.cpu = CpuTier(self.arena, PAGE, low_watermark=low)
-        self.nvme = NvmeLowerTier(tmp_path / "nvme", 16 * PAGE, PAGE) if nvme else None
+        self.nvme = NvmeLowerTier(tmp_path / "nvme", nvme_pages * PAGE, PAGE) if nvme else None
         self.remote = DirRemoteTier(tmp_path / "remote", 64 * PAGE, PAGE)
         self.engine = CopyEngine(2, inline_bytes=-1)
         self.metrics = DaemonMetrics()
@@ -54,7 +55,7 @@ class Stack:
         lower = [(self.nvme, nvme_policy)] if nvme else []
         lower.append((self.remote, remote_policy))
         self.chain = TierChain(self.cpu, lower, self.engine, self.metrics,
-                               clock=lambda: self.now[0])
+                               clock=lambda: self.now[0], cascade_bytes=cascade_pages * PAGE)
         self.events = self.chain.events = Recorder()
 
     def put(self, key: bytes, nbytes: int = 2 * PAGE + 17) -> bytes:
@@ -400,3 +401,36 @@ def test_a_cut_remote_fails_a_batch_of_promotions_as_misses_and_keeps_the_copies
     assert all(s.remote.peek((SPACE, key)) is not None for key in keys), "copies dropped"
     assert not any((SPACE, key) in s.cpu.index for key in keys)
     s.invariants()
+
+
+def test_what_nvme_evicts_cascades_to_an_on_evict_remote(make):
+    """With the remote on-evict, a chunk leaving NVMe (full) is not lost: it is read into the
+    arena's bounce slice (verified), written to the remote, and NVMe's pages come free after.
+    While its victims are held, the chunk that needed NVMe's room goes to the remote itself."""
+    s = make(remote_policy=PublishPolicy(EVICT), pages=128, cascade_pages=8, nvme_pages=12)
+    assert s.cpu.set_aside_runs and s.chain.bounce.pages == 8
+    payloads = {}
+    for i in range(10):  # three-page chunks: NVMe holds four
+        key = b"c%d" % i
+        payloads[key] = s.put(key)
+        s.evict_all()
+        s.invariants()
+    assert s.nvme.counters["evictions"] > 0
+    assert s.metric("kvtierd_bytes_total", direction="cascade", tier="remote") > 0
+    assert s.chain.bounce.allocator.free_pages == 8, "bounce pages not given back"
+    on_nvme = {k for k in payloads if s.nvme.peek((SPACE, k)) is not None}
+    on_remote = {k for k in payloads if s.remote.peek((SPACE, k)) is not None}
+    assert on_nvme | on_remote == set(payloads), "a chunk NVMe evicted was lost"
+    cascaded = {k for k in on_remote if ("dropped", "nvme", k) in s.events.log}
+    assert cascaded and all(("stored", "remote", k) in s.events.log for k in cascaded)
+    assert on_remote - cascaded, "no chunk went to the remote while NVMe's victims were held"
+    for key in sorted(on_remote - on_nvme):
+        ok, data = s.promote(key, len(payloads[key]))
+        assert ok and data == payloads[key], key
+        s.cpu.delete((SPACE, key))  # room for the next one
+    s.invariants()
+
+
+def test_no_cascade_without_an_on_evict_tier_below(make):
+    s = make(remote_policy=PublishPolicy(COMMIT), pages=128, cascade_pages=8)
+    assert s.chain.bounce is None and not s.cpu.set_aside_runs
