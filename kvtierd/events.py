@@ -56,7 +56,7 @@ import queue
 import socket
 import threading
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -77,6 +77,7 @@ DROP_REASONS = ("queue_full", "send_failed", "publisher_down")
 KINDS = ("stored", "removed", "cleared")
 _POLL_S = 0.05
 CLOSE_LINGER_MS = 500  # at stop, for the last batches to reach subscribers
+RECENT_REMOVALS = 4096  # blocks of chunks that just left their last tier, kept for a move below
 
 
 class EventsBindError(OSError):
@@ -202,6 +203,10 @@ class KVEvents(NoEvents):
         self._pending_kinds: Counter[str] = Counter()
         # (tier, tenant, namespace, key) → what was announced (None: the key stood in).
         self._announced: dict[tuple, BlockInfo | None] = {}
+        # (tenant, namespace, key) → the blocks of a chunk whose last announcement was removed,
+        # newest last: a chunk on its way between tiers (NVMe's victim cascading to the remote
+        # tier) is stored below after it left above, and keeps the hashes its PUT gave.
+        self._recent: OrderedDict[tuple, BlockInfo] = OrderedDict()
         self._topics: dict[str, bytes] = {}
         self.events: Counter[str] = Counter()  # loop thread: produced, by kind
         self.dropped: Counter[str] = Counter()  # loop thread: queue_full, publisher_down
@@ -227,6 +232,8 @@ class KVEvents(NoEvents):
         if info is None:  # a move between tiers: what the PUT said, if another tier remembers it
             info = next((self._announced[other] for t in MEDIA
                          if (other := (t, tenant, namespace, key)) in self._announced), None)
+            if info is None:
+                info = self._recent.pop((tenant, namespace, key), None)
         self._announced[ident] = info.without_tokens() if info is not None else None
         event = stored_event(info or BlockInfo((key,)), tier, self.settings.int_hashes)
         self._add(namespace, event, "stored")
@@ -238,6 +245,12 @@ class KVEvents(NoEvents):
         if ident not in self._announced:
             return
         info = self._announced.pop(ident)
+        if info is not None and not any((t, tenant, namespace, key) in self._announced
+                                        for t in MEDIA):
+            self._recent[(tenant, namespace, key)] = info
+            self._recent.move_to_end((tenant, namespace, key))
+            if len(self._recent) > RECENT_REMOVALS:
+                self._recent.popitem(last=False)
         event = removed_event(info or BlockInfo((key,)), tier, self.settings.int_hashes)
         self._add(namespace, event, "removed")
 
@@ -245,6 +258,7 @@ class KVEvents(NoEvents):
         """Everything announced before is void (sent at start: on the topic of no model, which a
         subscriber of ``kv@`` or of every topic receives)."""
         self._announced.clear()
+        self._recent.clear()
         self._add("", {"type": "AllBlocksCleared"}, "cleared")
 
     def announcements(self) -> dict[tuple, BlockInfo | None]:

@@ -94,6 +94,26 @@ def test_tiers_ranks_and_moves(publisher):
     assert counts["events"] == {"stored": 3, "removed": 1} and not +counts["dropped"]
 
 
+def test_a_chunk_stored_below_after_it_left_above_keeps_its_hashes(publisher):
+    """NVMe's victim cascading to the remote tier is removed from STORAGE at eviction and stored
+    on REMOTE when its copy is written: it keeps the hashes its PUT gave."""
+    events, sub = publisher()
+    subscribed(events)
+    info = BlockInfo((b"h1", b"h2"), b"h0", tuple(range(32)), 16, 3)
+    events.stored(ikey(b"v"), "nvme", info)
+    events.removed(ikey(b"v"), "nvme")
+    events.stored(ikey(b"v"), "remote")
+    events.stored(ikey(b"w"), "remote")  # never announced elsewhere: the key stands in
+    events.flush()
+    events.start()
+    (_, _, batch), = receive(sub, 1)
+    assert [(e["type"], e["medium"], e["block_hashes"]) for e in batch] == [
+        ("BlockStored", "STORAGE", [b"h1", b"h2"]), ("BlockRemoved", "STORAGE", [b"h1", b"h2"]),
+        ("BlockStored", "REMOTE", [b"h1", b"h2"]), ("BlockStored", "REMOTE", [b"w"])]
+    assert (batch[2]["parent_block_hash"], batch[2]["group_idx"], batch[2]["token_ids"]) == (
+        b"h0", 3, [])
+
+
 def test_a_full_queue_drops_and_counts_and_the_rest_is_delivered(publisher):
     events, sub = publisher(max_queued_batches=2)
     subscribed(events)
