@@ -238,9 +238,10 @@ def warm_arena(work: Path, chunks: int, repeat: int, lookup_s: float) -> dict:
         keys = fill_rows(db_path, meta, tenant_of(db_path, meta), chunks, 1, 1)
         times, mem = restart_times(indexed, empty, repeat)
         result = {"chunks": chunks, **times, "bytes_per_chunk": mem / chunks}
-        result["lookup"] = {str(b): dict(zip(("keys_per_s", "ping_keys_per_s"),
-                                             lookup_rate(indexed.address, keys, b, lookup_s)))
-                            for b in BATCHES}
+        if lookup_s > 0:
+            result["lookup"] = {str(b): dict(zip(("keys_per_s", "ping_keys_per_s"),
+                                                 lookup_rate(indexed.address, keys, b, lookup_s)))
+                                for b in BATCHES}
         return result
     finally:
         for d in (indexed, empty):
@@ -303,24 +304,22 @@ def put_path(work: Path, chunks: int) -> dict:
 
 
 def print_table(r: dict) -> None:
-    w, p, n = r["warm_arena"], r["put_path"], r["nvme"]
-    rows = [
-        ("memory per chunk, PUT path", f"{p['bytes_per_chunk']:.0f} B", f"{p['chunks']} chunks",
-         f"<= {TARGET_BYTES_PER_CHUNK} B"),
-        ("memory per chunk, warm arena", f"{w['bytes_per_chunk']:.0f} B", f"{w['chunks']} chunks",
-         f"<= {TARGET_BYTES_PER_CHUNK} B"),
-        ("memory per chunk, NVMe", f"{n['bytes_per_chunk']:.0f} B", f"{n['chunks']} chunks",
-         f"<= {TARGET_BYTES_PER_CHUNK} B"),
-        ("restart to serving, warm arena", f"{w['restart_s']:.2f} s",
-         f"empty index {w['empty_restart_s']:.2f} s", f"<= {TARGET_RESTART_S} s"),
-        ("  CPU seconds of that start", f"{w['restart_cpu_s']:.2f} s",
-         f"empty index {w['empty_restart_cpu_s']:.2f} s", ""),
-        ("restart to serving, NVMe", f"{n['restart_s']:.2f} s",
-         f"empty index {n['empty_restart_s']:.2f} s ({n['dir']})", f"<= {TARGET_RESTART_S} s"),
-        ("  CPU seconds of that start", f"{n['restart_cpu_s']:.2f} s",
-         f"empty index {n['empty_restart_cpu_s']:.2f} s", ""),
-    ]
-    for batch, m in w["lookup"].items():
+    """The rows of what ran (``--only`` runs a part)."""
+    rows = []
+    for name, what in (("put_path", "PUT path"), ("warm_arena", "warm arena"), ("nvme", "NVMe")):
+        if name in r:
+            rows.append((f"memory per chunk, {what}", f"{r[name]['bytes_per_chunk']:.0f} B",
+                         f"{r[name]['chunks']} chunks", f"<= {TARGET_BYTES_PER_CHUNK} B"))
+    for name, what in (("warm_arena", "warm arena"), ("nvme", "NVMe")):
+        if name in r:
+            m = r[name]
+            where = f" ({m['dir']})" if "dir" in m else ""
+            rows += [(f"restart to serving, {what}", f"{m['restart_s']:.2f} s",
+                      f"empty index {m['empty_restart_s']:.2f} s{where}",
+                      f"<= {TARGET_RESTART_S} s"),
+                     ("  CPU seconds of that start", f"{m['restart_cpu_s']:.2f} s",
+                      f"empty index {m['empty_restart_cpu_s']:.2f} s", "")]
+    for batch, m in r.get("warm_arena", {}).get("lookup", {}).items():
         rows.append((f"LOOKUP keys/s, {batch}-key batches", f"{m['keys_per_s']:,.0f}",
                      f"PING same requests {m['ping_keys_per_s']:,.0f} "
                      f"({m['keys_per_s'] / m['ping_keys_per_s']:.2f}x)",
@@ -340,6 +339,9 @@ def main() -> int:
     ap.add_argument("--lookup-s", type=float, default=3.0, help="seconds per LOOKUP batch size")
     ap.add_argument("--nvme-root", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    ap.add_argument("--only", choices=("all", "restart", "warm", "nvme"), default="all",
+                    help="restart: only the two restart rows (no PUT-path memory, no LOOKUP); "
+                         "warm / nvme: only that restart row")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks/results/index_scale.json")
     args = ap.parse_args()
     if args.quick:
@@ -348,13 +350,14 @@ def main() -> int:
     results_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="index-scale-", dir=results_dir))
     try:
-        result = {
-            "quick": args.quick,
-            "cpus": os.cpu_count(),
-            "put_path": put_path(work, args.put_chunks),
-            "warm_arena": warm_arena(work, args.chunks, args.repeat, args.lookup_s),
-            "nvme": nvme(work, args.nvme_root or results_dir, args.chunks, args.repeat),
-        }
+        result = {"quick": args.quick, "cpus": os.cpu_count()}
+        if args.only == "all":
+            result["put_path"] = put_path(work, args.put_chunks)
+        if args.only in ("all", "restart", "warm"):
+            result["warm_arena"] = warm_arena(work, args.chunks, args.repeat,
+                                              args.lookup_s if args.only == "all" else 0.0)
+        if args.only in ("all", "restart", "nvme"):
+            result["nvme"] = nvme(work, args.nvme_root or results_dir, args.chunks, args.repeat)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(result)
