@@ -14,6 +14,7 @@ import threading
 
 import pytest
 
+from kvtierd.tiers import index_format
 from kvtierd.tiers.index_db import SCHEMA_VERSION, ChunkIndexDB, IndexRow, pack_runs, unpack_runs
 
 META = {"page_bytes": "4096", "nvme_bytes": "1048576"}
@@ -301,11 +302,11 @@ def test_schema_2_index_is_migrated_keeping_rows_and_their_order(path, caplog):
     with caplog.at_level(logging.INFO, logger="kvtierd.tiers.index_db"):
         db = ChunkIndexDB(path, META)
     assert db.reset_reason == ""
-    assert "migrated from schema 2 to 3 (30 rows)" in caplog.text
+    assert f"migrated from schema 2 to {SCHEMA_VERSION} (30 rows)" in caplog.text
     assert all_rows(db) == {r.ikey: r for r in rows}
     spaces, fps = db.space_names(), db.fingerprint_names()
-    stored = [(spaces[s], key, fps[f]) for batch in db.row_batches(batch=7)
-              for s, key, f, *_ in batch]
+    stored = [(spaces[s], key, fps[index_format.unpack(packed)[0]])
+              for batch in db.row_batches(batch=7) for s, key, packed in batch]
     order = rows[:5] + rows[6:] + [rows[5]]
     assert stored == [((r.tenant, r.namespace, r.rank), r.key, r.fingerprint) for r in order]
     assert len(spaces) == len({r.ikey[0] for r in rows}) and len(fps) == 4  # each stored once
@@ -320,8 +321,8 @@ def test_schema_2_index_is_migrated_keeping_rows_and_their_order(path, caplog):
 def test_schema_2_index_with_other_meta_is_reset_not_migrated(path):
     schema_2_file(path, [row(b"a")])
     db = ChunkIndexDB(path, {**META, "page_bytes": "8192"})
-    assert "page_bytes: '4096' -> '8192'" in db.reset_reason and "schema: '2' -> '3'" in (
-        db.reset_reason)
+    assert "page_bytes: '4096' -> '8192'" in db.reset_reason and (
+        f"schema: '2' -> '{SCHEMA_VERSION}'" in db.reset_reason)
     assert db.count() == 0
     db.insert([row(b"b")])
     assert [r.key for r in db.rows()] == [b"b"]

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from kvtierd.eviction.lru import LRUPolicy
+from kvtierd.tiers import index_format
 from kvtierd.tiers.allocator import PageAllocator
 from kvtierd.tiers.compact_index import ChunkIndex
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
@@ -88,8 +89,8 @@ def test_rows_naming_no_space_or_impossible_pages_are_dropped_by_stored_key(tmp_
                IndexRow("uid:1000", "ns", 0, b"negative-size", "fp0", -5, rng.randbytes(16),
                         [(200, 1)])])
     with db.lock:  # a row whose space id names no space (a hand-edited or damaged file)
-        db._db.execute("INSERT INTO entries VALUES (999, x'0102', 1, 10, ?, ?)",
-                       (rng.randbytes(16), bytes(16) + (1).to_bytes(8, "little")))
+        db._db.execute("INSERT INTO entries VALUES (999, x'0102', ?)", (index_format.pack(
+            1, 10, rng.randbytes(16), bytes(16) + (1).to_bytes(8, "little")),))
     index, _, loaded = load(db)
     index.check_invariants()
     assert set(index) == {r.ikey for r in good}
