@@ -169,7 +169,10 @@ class ChunkIndexDB:
         if stored != wanted:
             schema = stored.get("schema", "")
             if schema in MIGRATES_FROM and {**stored, "schema": wanted["schema"]} == wanted:
-                self._migrate(schema)
+                try:
+                    self._migrate(schema)
+                except sqlite3.DatabaseError as exc:  # tables that are not that schema's
+                    self._reset(stored, wanted, f"migration from schema {schema} failed: {exc}")
             else:
                 self._reset(stored, wanted)
         # Ids of the (few) key spaces and fingerprints, so that a row is written without a
@@ -182,12 +185,13 @@ class ChunkIndexDB:
         for suffix in SIDE_FILES:  # created by SQLite with the database's mode; older ones narrowed
             _narrow(Path(f"{path}{suffix}"))
 
-    def _reset(self, stored: dict[str, str], wanted: dict[str, str]) -> None:
+    def _reset(self, stored: dict[str, str], wanted: dict[str, str], why: str = "") -> None:
         if stored:
             changed = sorted(k for k in set(stored) | set(wanted)
                              if stored.get(k) != wanted.get(k))
             self.reset_reason = ", ".join(
-                f"{k}: {stored.get(k)!r} -> {wanted.get(k)!r}" for k in changed)
+                [why] * bool(why) + [f"{k}: {stored.get(k)!r} -> {wanted.get(k)!r}"
+                                     for k in changed])
         with self._transaction():
             # Dropped, not emptied: an older schema's tables have other columns.
             kinds = dict(self._db.execute("SELECT name, type FROM sqlite_master WHERE name IN"
@@ -202,8 +206,9 @@ class ChunkIndexDB:
 
     def _migrate(self, schema: str) -> None:
         """Schema 2 or 3 -> 4 in one transaction (a crash leaves the old schema, migrated at the
-        next open); row order (the LRU order of the next recovery) is kept, and every field is
-        copied as it was (a row recovery would drop stays one it drops)."""
+        next open; a file whose tables are not that schema's fails, and is reset); row order
+        (the LRU order of the next recovery) is kept, and every field is copied as it was (a
+        row recovery would drop stays one it drops)."""
         started = time.monotonic()
         self._db.create_function("kvtierd_pack", 4, _pack_v3, deterministic=True)
         cache = self._db.execute("PRAGMA cache_size").fetchone()[0]
@@ -222,9 +227,14 @@ class ChunkIndexDB:
             self._db.execute(f"PRAGMA cache_size = {cache}")
         # The old table's pages are free but still in the file, and the WAL grew to the whole
         # new table: give both back now (in /dev/shm they are RAM; ~1.5 s per 1M rows, once).
-        with self.lock:
-            self._db.execute("VACUUM")
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        # The rows are migrated already: a failure here only leaves the file larger.
+        try:
+            with self.lock:
+                self._db.execute("VACUUM")
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.DatabaseError as exc:
+            log.warning("index %s migrated but not compacted (%s): it keeps its old size",
+                        self.path, exc)
         log.info("index %s migrated from schema %s to %d (%d rows) in %.2f s", self.path,
                  schema, SCHEMA_VERSION, rows, time.monotonic() - started)
 
