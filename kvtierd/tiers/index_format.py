@@ -32,7 +32,6 @@ COMMON_CHECKSUM = 16  # xxh3-128
 COMMON_BYTES = HEAD.size + COMMON_CHECKSUM + RUN_BYTES
 _WORDS = COMMON_BYTES // 8  # u64 words per common row: head (2), checksum (2), start, count
 _HALVES = COMMON_BYTES // 4  # u32 halves per common row: fingerprint id, checksum length first
-_NEGATIVE = 1 << 63  # an i64 read as u64 is at least this when it was negative
 
 
 def pack(fp_id: int, nbytes: int, checksum: bytes, runs_blob: bytes) -> bytes:
@@ -65,22 +64,28 @@ class Columns:
 
 def decode_common(blobs: tuple[bytes, ...]) -> Columns | None:
     """The columns of a batch whose every row is common (one run, a 16-byte checksum, a size
-    that is not negative), in C-level passes; None when one is not (the caller goes row by row)."""
+    that is not negative), in C-level passes; None when one is not (the caller goes row by row).
+    The checks compare strided byte slices and whole arrays: nothing builds an int per row."""
     n = len(blobs)
     if not n or sys.byteorder != "little" or set(map(len, blobs)) != {COMMON_BYTES}:
         return None
     joined = b"".join(blobs)
     halves = array("I", joined)
-    if halves[1::_HALVES].count(COMMON_CHECKSUM) != n:
+    if (halves[1::_HALVES] != array("I", [COMMON_CHECKSUM]) * n
+            or not joined[HEAD.size - 1::COMMON_BYTES].isascii()):  # nbytes' top bit: negative
         return None
     words = array("Q", joined)
-    nbytes = words[1::_WORDS]
-    if max(nbytes) >= _NEGATIVE:
-        return None
     sums = array("Q", bytes(COMMON_CHECKSUM * n))
     sums[0::2] = words[2::_WORDS]
     sums[1::2] = words[3::_WORDS]
-    return Columns(halves[0::_HALVES], nbytes, sums.tobytes(), words[4::_WORDS], words[5::_WORDS])
+    return Columns(halves[0::_HALVES], words[1::_WORDS], sums.tobytes(), words[4::_WORDS],
+                   words[5::_WORDS])
+
+
+def same(column: array) -> bool:
+    """Whether every item of a non-empty ``column`` equals its first (one comparison of whole
+    arrays, with no int built per item)."""
+    return column == column[:1] * len(column)
 
 
 BYTE_VALUES = "X'" + bytes(range(256)).hex().upper() + "'"  # bytes 00..FF, for ``_sql_uint``

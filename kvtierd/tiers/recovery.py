@@ -31,6 +31,7 @@ from kvtierd.tiers import index_format
 from kvtierd.tiers.allocator import PageAllocator
 from kvtierd.tiers.compact_index import ChunkIndex
 from kvtierd.tiers.index_db import ChunkIndexDB, Space, StoredKey, unpack_runs
+from kvtierd.tiers.index_format import decode_common, same
 
 PROGRESS_EVERY = 100_000
 
@@ -84,22 +85,23 @@ class _Loader:
         by row); False: overlapping rows."""
         sids, keys, blobs = zip(*rows)
         n = len(keys)
-        columns = index_format.decode_common(blobs)
+        columns = decode_common(blobs)
         if columns is None:
             return None
         fids, sizes, starts, counts = columns.fp_ids, columns.nbytes, columns.starts, columns.counts
         space_ids, names = set(sids), self.spaces
-        fid_set = {fids[0]} if fids.count(fids[0]) == n else set(fids)
+        fid_set = {fids[0]} if same(fids) else set(fids)
         if not space_ids <= names.keys() or not fid_set <= self.fingerprints.keys():
             return None
         page_bytes = self.index.page_bytes
-        distinct = (sizes[0],) if sizes.count(sizes[0]) == n else set(sizes)
-        pages_of = {size: max(1, -(-size // page_bytes)) for size in distinct}
+        pages_of = {size: max(1, -(-size // page_bytes))
+                    for size in ((sizes[0],) if same(sizes) else set(sizes))}
         page_counts = set(pages_of.values())
-        if (counts.count(page_counts.pop()) != n if len(page_counts) == 1
+        if (counts != array("Q", [page_counts.pop()]) * n if len(page_counts) == 1
                 else array("Q", map(pages_of.__getitem__, sizes)) != counts):
             return None
-        if max(counts) == 1:
+        if counts[0] == 1 and same(counts):
+            pages = n
             if max(starts) >= self.num_pages:
                 return None
             # Overlaps here show at the end: fewer pages marked than indexed (``_load``).
@@ -108,6 +110,8 @@ class _Loader:
         elif (max(map(operator.add, starts, counts)) > self.num_pages
               or not all(map(self.mark, starts, counts))):
             return None if not self.loaded.overlap else False
+        else:
+            pages = sum(counts)
         fps = ((self.fingerprints[fids[0]],) * n if len(fid_set) == 1
                else tuple(map(self.fingerprints.__getitem__, fids)))
         checksums = columns.checksums
@@ -121,7 +125,6 @@ class _Loader:
                                                    verified=self.verified)
         slots = range(first, first + n)
         tenants = {names[sid][0] for sid in space_ids}
-        pages = sum(counts)
         if len(tenants) == 1:
             self.policy.insert_many(slots, self.part_of(first))
             self.loaded.tenant_pages[tenants.pop()] += pages
