@@ -217,7 +217,7 @@ def restart_times(indexed: Daemon, empty: Daemon, repeat: int) -> tuple[dict, fl
     return {"restart_s": med(full_t), "empty_restart_s": med(empty_t),
             "restart_cpu_s": med(full_cpu), "empty_restart_cpu_s": med(empty_cpu),
             "restart_sys_s": med(full_sys), "restart_runs_s": full_t,
-            "restart_cpu_runs_s": full_cpu}, mem
+            "restart_cpu_runs_s": full_cpu, "restart_sys_runs_s": full_sys}, mem
 
 
 def room_pages(chunks: int) -> int:
