@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 4
 MIGRATES_FROM = ("2", "3")  # an index of these schemas is migrated at open; any other is reset
 FILE_MODE = 0o600
-MIGRATE_CACHE_KIB = 1 << 20  # SQLite's page cache while migrating (only what the index needs)
+# SQLite's page cache while migrating, at most (pages are taken as needed: ~260 MB per 1M rows).
+MIGRATE_CACHE_KIB = 1 << 20
 SIDE_FILES = ("-wal", "-shm")  # SQLite's WAL files next to the database
 
 IKey = tuple[tuple[str, str, int], bytes]  # ((tenant, namespace, rank), key)
@@ -189,9 +190,8 @@ class ChunkIndexDB:
         if stored:
             changed = sorted(k for k in set(stored) | set(wanted)
                              if stored.get(k) != wanted.get(k))
-            self.reset_reason = ", ".join(
-                [why] * bool(why) + [f"{k}: {stored.get(k)!r} -> {wanted.get(k)!r}"
-                                     for k in changed])
+            reasons = [f"{k}: {stored.get(k)!r} -> {wanted.get(k)!r}" for k in changed]
+            self.reset_reason = ", ".join([why, *reasons] if why else reasons)
         with self._transaction():
             # Dropped, not emptied: an older schema's tables have other columns.
             kinds = dict(self._db.execute("SELECT name, type FROM sqlite_master WHERE name IN"
