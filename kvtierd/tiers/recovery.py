@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtierd.eviction.base import EvictionPolicy
-from kvtierd.tiers import index_format
 from kvtierd.tiers.allocator import PageAllocator
-from kvtierd.tiers.compact_index import ChunkIndex
+from kvtierd.tiers.compact_index import CHECKSUM_BYTES, ChunkIndex
 from kvtierd.tiers.index_db import ChunkIndexDB, Space, StoredKey, unpack_runs
-from kvtierd.tiers.index_format import decode_common, same
+from kvtierd.tiers.index_format import COMMON_CHECKSUM, decode_common, same, unpack
 
 PROGRESS_EVERY = 100_000
+# The bulk path hands a batch's packed checksums to the index's checksum column as they are.
+assert COMMON_CHECKSUM == CHECKSUM_BYTES, (COMMON_CHECKSUM, CHECKSUM_BYTES)
 
 
 @dataclass
@@ -139,7 +140,7 @@ class _Loader:
     def row(self, sid: int, key: bytes, packed: bytes) -> bool:
         """Index one row (the slow path); False: it overlaps another."""
         try:
-            fid, nbytes, checksum, blob = index_format.unpack(packed)
+            fid, nbytes, checksum, blob = unpack(packed)
             runs = unpack_runs(blob)
         except (ValueError, struct.error):  # struct.error: not whole (start, count) pairs
             fid, nbytes, checksum, runs = -1, -1, b"", []
