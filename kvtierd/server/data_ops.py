@@ -395,7 +395,11 @@ class DataOps:
                 self._put_item_failed(batch, index, entry, error)
             return
         entries = [entry for _, entry, _ in job]
-        self.tier.commit_many(entries, digests)
+        # Without kv-events and without the chain's per-chunk hooks nothing uses the entries
+        # after their commit: they go back to compact form at once.
+        plain = (not self.events.enabled and not self.mover.links
+                 and type(self.mover.events) is ChainEvents)
+        self.tier.commit_many(entries, digests, fold=plain)
         if self.events.enabled:
             events, blocks = self.events, batch.blocks
             for index, entry, _ in job:

@@ -484,6 +484,24 @@ class ChunkIndex:
         if entry.slot >= 0:
             self._loose.add(entry.slot)
 
+    def fold(self, entries: list[ChunkEntry]) -> None:
+        """``compact`` of entries just committed that nobody holds any more (a PUT job whose
+        entries nothing else wants: no kv-events, no tier below): READY, unreferenced and
+        unpinned by construction, folded now rather than looked at again next iteration."""
+        active, flags, sums, loose = self.active, self._flags, self._sum, self._loose
+        for entry in entries:
+            slot, checksum = entry.slot, entry.checksum
+            assert entry.state is _READY and not (entry.ref_count or entry.pin_count
+                                                  or entry.demoting or entry.on_nvme)
+            if len(checksum) != CHECKSUM_BYTES:
+                loose.add(slot)  # stays an entry (compact leaves it too)
+                continue
+            i = slot * CHECKSUM_BYTES
+            sums[i:i + CHECKSUM_BYTES] = checksum
+            flags[slot] = ((flags[slot] & (USED | MULTI)) | SUMMED
+                           | (VERIFIED if entry.verified else 0))
+            del active[slot]
+
     def compact(self) -> int:
         """Fold every loose, idle (READY, unreferenced, unpinned, not demoting) entry back into
         columns; returns how many. Only at a point where no caller holds an entry it got from a

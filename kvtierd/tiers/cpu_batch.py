@@ -107,10 +107,12 @@ class CpuBatchOps:
             self.tenant_pages[space[0]] += placed * pages
         return end
 
-    def commit_many(self: CpuTier, entries: Sequence[ChunkEntry],
-                    checksums: Sequence[bytes]) -> None:
+    def commit_many(self: CpuTier, entries: list[ChunkEntry], checksums: Sequence[bytes],
+                    fold: bool = False) -> None:
         """``commit`` of each entry with its checksum, in order: one index transaction (durable
-        before any is READY, so before the PUT is answered) and the counters once."""
+        before any is READY, so before the PUT is answered) and the counters once. ``fold``:
+        the caller holds none of the entries after this call, so they go straight back to
+        compact form (``ChunkIndex.fold``) instead of waiting for the next ``compact``."""
         active = self.index.active
         for entry in entries:
             assert entry.state is _PENDING and active.get(entry.slot) is entry, (
@@ -130,7 +132,10 @@ class CpuBatchOps:
             if part is None:
                 part = parts[space] = self.part_of(entry.slot)
             insert(entry.slot, part)
-            loose(entry)
+            if not fold:
+                loose(entry)
+        if fold:
+            self.index.fold(entries)
         count = len(entries)
         self.pending_chunks -= count
         self.pending_pages -= pages
