@@ -12,6 +12,7 @@ of calling its per-item primitive on every item in order; the unit tests compare
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import TYPE_CHECKING, Sequence
 
 from kvtierd.protocol import Status
@@ -79,6 +80,17 @@ class CpuBatchOps:
         index = self.index
         found = index.key_space(space)
         known = found.keys if found is not None else {}
+        rest = keys[pos:] if pos else keys
+        if len(set(rest)) == len(rest) and known.keys().isdisjoint(rest):
+            # Every key new and distinct (a fresh PUT batch): one entry per item, in C loops.
+            runs = self.allocator.allocate_many(pages, len(rest))
+            end = pos + len(runs)
+            entries = list(map(ChunkEntry, zip(repeat(space), rest[:len(runs)]),
+                               repeat(fingerprint), sizes[pos:end], [[run] for run in runs],
+                               repeat(owner)))  # pending_entry's fields, without its frame
+            out[pos:end] = zip(repeat(Status.OK), entries)
+            self._placed(space, fingerprint, entries, pages)
+            return end
         fresh: dict[bytes, int] = {}  # key -> position, for the items that need pages
         for i in range(pos, len(keys)):  # side-effect free: what each item will be
             key = keys[i]
@@ -99,13 +111,18 @@ class CpuBatchOps:
                                       owner)
                 entries.append(entry)
                 out[i] = (Status.OK, entry)
+        self._placed(space, fingerprint, entries, pages)
+        return end
+
+    def _placed(self: CpuTier, space: tuple, fingerprint: str, entries: list[ChunkEntry],
+                pages: int) -> None:
+        """Index new PENDING entries of ``pages`` pages each and count them."""
         if entries:
-            index.add_many(space, fingerprint, entries)
+            self.index.add_many(space, fingerprint, entries)
             placed = len(entries)
             self.pending_chunks += placed
             self.pending_pages += placed * pages
             self.tenant_pages[space[0]] += placed * pages
-        return end
 
     def commit_many(self: CpuTier, entries: list[ChunkEntry], checksums: Sequence[bytes],
                     fold: bool = False) -> None:
