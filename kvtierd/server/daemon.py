@@ -15,7 +15,6 @@ connection guard's thread (``connections``), which also bounds the number of con
 from __future__ import annotations
 
 import errno
-import gc
 import logging
 import signal
 import threading
@@ -51,6 +50,7 @@ from kvtierd.server.handlers import OpHandlers
 from kvtierd.server.handshake import HandshakeServer
 from kvtierd.server import tier_setup
 from kvtierd.server.chain import TierChain
+from kvtierd.server.gc_tuning import rare_collections
 from kvtierd.server.probes import ProbeSchedule
 from kvtierd.server.sessions import SessionTable
 from kvtierd.server.socket_files import AlreadyServing  # noqa: F401 (the CLI's import)
@@ -80,12 +80,6 @@ NOTICE = pack(reply(0, Status.OK, notice="probe"))
 NEEDS_SESSION = {Op.LOOKUP, Op.PUT, Op.GET, Op.DELETE, Op.BYE}
 MAX_TICKETS = 256  # handshakes awaiting their HELLO (each may hold a client's mapping)
 LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
-#: Garbage-collector thresholds while serving. A 4096-item batch allocates tens of thousands of
-#: tracked objects (item lists, entries, job tuples), nearly all freed by reference counting; at
-#: the default gen-0 threshold (700) that was a collection every ~100 items and a full one every
-#: few batches, each over every live entry and queued job (0.8 s of collections in 8 s of 16 KiB
-#: PUT/GET, measured with gc.callbacks). Collections stay on (cycles are still freed), just rare.
-GC_THRESHOLDS = (50_000, 20, 10)
 
 
 class Daemon:
@@ -244,14 +238,8 @@ class Daemon:
             self._announce_when_pinned()
             if on_ready is not None:
                 on_ready()
-            thresholds = gc.get_threshold()
-            gc.freeze()  # what start-up built lives as long as the daemon: never scanned again
-            gc.set_threshold(*GC_THRESHOLDS)
-            try:
+            with rare_collections():  # kvtierd.server.gc_tuning: why
                 self._loop()
-            finally:
-                gc.set_threshold(*thresholds)
-                gc.unfreeze()
         finally:
             self._shutdown()
         lost = cuda_health.lost()
