@@ -311,7 +311,10 @@ class GhostCaches:
             return
         hashed = self.keys_of(space, keys)
         page = self.page_bytes
-        pages = [max(1, -(-n // page)) for n in nbytes]
+        if nbytes and nbytes.count(nbytes[0]) == len(nbytes):  # one chunk size (most batches)
+            pages = [max(1, -(-nbytes[0] // page))] * len(nbytes)
+        else:
+            pages = [max(1, -(-n // page)) for n in nbytes]
         for tier in self.tiers:
             if tier.sample_ratio >= 1.0:
                 tier_keys, tier_pages = hashed, pages
