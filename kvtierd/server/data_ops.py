@@ -28,7 +28,6 @@ import logging
 import time
 from collections import deque
 from functools import partial
-from operator import itemgetter
 from typing import Any, Callable
 
 from kvtierd.config import Config
@@ -42,7 +41,8 @@ from kvtierd.protocol import MAX_KEY_BYTES, Op, ProtocolError, Status, Tier, rep
 from kvtierd.server import fast_path, requests
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.batch import MAX_JOB_BYTES, Batch, JobQueue, SlotReads, job_bytes
-from kvtierd.server.chain import ChainEvents, TierChain
+from kvtierd.server.chain import TierChain
+from kvtierd.server.job_done import JobCompletions
 from kvtierd.server.refusals import reserve_message
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.tenants import TenantTable
@@ -51,7 +51,7 @@ from kvtierd.tiers.chunk import ChunkEntry, ChunkState
 log = logging.getLogger(__name__)
 
 
-class DataOps:
+class DataOps(JobCompletions):
     def __init__(self, cfg: Config, mover: TierChain, sessions: SessionTable, engine: CopyEngine,
                  metrics: DaemonMetrics, accounting: Accounting,
                  send: Callable[..., Any], tenants: TenantTable) -> None:
@@ -385,87 +385,6 @@ class DataOps:
         self._maybe_finish(batch)
         if self.waiting:
             self.retry_parked()  # commits made chunks evictable, releases and aborts free pages
-
-    def _put_job_done(self, batch: Batch, job: list, digests: Any,
-                      error: BaseException | None) -> None:
-        session = batch.session
-        session.pending.difference_update(map(itemgetter(1), job))
-        if error is not None or session.closed:
-            for index, entry, _ in job:
-                self._put_item_failed(batch, index, entry, error)
-            return
-        entries = [entry for _, entry, _ in job]
-        # Without kv-events and without the chain's per-chunk hooks nothing uses the entries
-        # after their commit: they go back to compact form at once.
-        plain = (not self.events.enabled and not self.mover.links
-                 and type(self.mover.events) is ChainEvents)
-        self.tier.commit_many(entries, digests, fold=plain)
-        if self.events.enabled:
-            events, blocks = self.events, batch.blocks
-            for index, entry, _ in job:
-                events.stored(entry.ikey, "cpu", blocks[index] if blocks else None)
-        sizes = [entry.nbytes for entry in entries]
-        batch.ghost_keys.extend([entry.ikey[1] for entry in entries])
-        batch.ghost_nbytes.extend(sizes)
-        self._bytes_in.inc(sum(sizes))
-        # Publishing below and the chain's events, per chunk; neither exists without lower tiers
-        # and with kv-events off (the chain's hooks are then its no-op ChainEvents).
-        if self.mover.links or type(self.mover.events) is not ChainEvents:
-            after_commit = self.mover.after_commit
-            for entry in entries:
-                after_commit(entry)
-        self._feed_ghosts(batch)
-
-    def _put_item_failed(self, batch: Batch, index: int, entry: ChunkEntry,
-                         error: BaseException | None) -> None:
-        self.tier.abort(entry)
-        if isinstance(error, CudaContextLost):
-            batch.fail(index, Status.SHUTTING_DOWN, str(error))
-        elif error is not None:
-            batch.fail(index, Status.INTERNAL, "copy into the CPU tier failed")
-        else:
-            batch.fail(index, Status.NO_SESSION,
-                       "the session ended before the copy completed; not stored")
-
-    def _get_job_done(self, batch: Batch, job: list | SlotReads, corrupt: Any,
-                      error: BaseException | None) -> None:
-        if type(job) is SlotReads:
-            self.tier.release_slots(job.slots, job.pages)
-            if error is None:
-                self._bytes_out.inc(job.nbytes)
-            else:
-                for index in job.items:
-                    self._get_item_failed(batch, index, None, error)
-            return
-        if error is None and not corrupt and not self.mover.links:  # all served, no admission
-            self._bytes_out.inc(self.tier.release_read(list(map(itemgetter(1), job))))
-            return
-        release, after_read = self.tier.release, self.mover.after_read
-        served = 0
-        for pos, (index, entry, _) in enumerate(job):
-            release(entry)
-            if error is None and not (corrupt and pos in corrupt):
-                entry.verified = True
-                served += entry.nbytes
-                after_read(entry)  # the chain's admission filter counts reads
-            else:
-                self._get_item_failed(batch, index, entry, error)
-        self._bytes_out.inc(served)
-
-    def _get_item_failed(self, batch: Batch, index: int, entry: ChunkEntry | None,
-                         error: BaseException | None) -> None:
-        """``entry`` None: a read held by slot, whose copy failed (never a check)."""
-        if batch.out_frames:
-            batch.out_frames[index] = b""
-        if error is None and entry is not None:  # the chunk failed its first-read check
-            self.metrics.integrity_failures.labels("cpu").inc()
-            log.error("chunk %r failed its checksum after a warm restart; dropped", entry.ikey)
-            self.mover.drop_cpu(entry)
-            batch.fail(index, Status.CHECKSUM_MISMATCH, "stored bytes failed their check")
-        elif isinstance(error, CudaContextLost):
-            batch.fail(index, Status.SHUTTING_DOWN, str(error))
-        else:
-            batch.fail(index, Status.INTERNAL, "copy out of the CPU tier failed")
 
     # -- replies -------------------------------------------------------------------------------------
     def _maybe_finish(self, batch: Batch) -> None:

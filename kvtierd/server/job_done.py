@@ -1,0 +1,109 @@
+"""What a PUT or GET copy job's completion does to its chunks, on the loop thread (``DataOps``
+mixes it in; ``on_copy_done`` calls it, then answers the batch if it is done).
+
+PUT: the job's entries are committed in one call (with their checksums), announced, fed to the
+ghosts and published below; a failed copy, or a session that ended meanwhile, aborts each item.
+GET: the job's reads are released (by slot, or entry by entry where a chunk needed its first-read
+check or the chain counts reads for its admission filter); a chunk that failed its check is dropped
+and counted as an integrity failure, never served.
+"""
+
+from __future__ import annotations
+
+import logging
+from operator import itemgetter
+from typing import Any
+
+from kvtierd.cuda_health import CudaContextLost
+from kvtierd.protocol import Status
+from kvtierd.server.batch import Batch, SlotReads
+from kvtierd.server.chain import ChainEvents
+from kvtierd.tiers.chunk import ChunkEntry
+
+log = logging.getLogger(__name__)
+
+
+class JobCompletions:
+    """The completion half of ``DataOps``; it uses DataOps' ``tier``, ``mover``, ``events``,
+    ``metrics``, ``_bytes_in``/``_bytes_out`` and ``_feed_ghosts``."""
+
+    def _put_job_done(self, batch: Batch, job: list, digests: Any,
+                      error: BaseException | None) -> None:
+        session = batch.session
+        session.pending.difference_update(map(itemgetter(1), job))
+        if error is not None or session.closed:
+            for index, entry, _ in job:
+                self._put_item_failed(batch, index, entry, error)
+            return
+        entries = [entry for _, entry, _ in job]
+        # Without kv-events and without the chain's per-chunk hooks nothing uses the entries
+        # after their commit: they go back to compact form at once.
+        plain = (not self.events.enabled and not self.mover.links
+                 and type(self.mover.events) is ChainEvents)
+        self.tier.commit_many(entries, digests, fold=plain)
+        if self.events.enabled:
+            events, blocks = self.events, batch.blocks
+            for index, entry, _ in job:
+                events.stored(entry.ikey, "cpu", blocks[index] if blocks else None)
+        sizes = [entry.nbytes for entry in entries]
+        batch.ghost_keys.extend([entry.ikey[1] for entry in entries])
+        batch.ghost_nbytes.extend(sizes)
+        self._bytes_in.inc(sum(sizes))
+        # Publishing below and the chain's events, per chunk; neither exists without lower tiers
+        # and with kv-events off (the chain's hooks are then its no-op ChainEvents).
+        if self.mover.links or type(self.mover.events) is not ChainEvents:
+            after_commit = self.mover.after_commit
+            for entry in entries:
+                after_commit(entry)
+        self._feed_ghosts(batch)
+
+    def _put_item_failed(self, batch: Batch, index: int, entry: ChunkEntry,
+                         error: BaseException | None) -> None:
+        self.tier.abort(entry)
+        if isinstance(error, CudaContextLost):
+            batch.fail(index, Status.SHUTTING_DOWN, str(error))
+        elif error is not None:
+            batch.fail(index, Status.INTERNAL, "copy into the CPU tier failed")
+        else:
+            batch.fail(index, Status.NO_SESSION,
+                       "the session ended before the copy completed; not stored")
+
+    def _get_job_done(self, batch: Batch, job: list | SlotReads, corrupt: Any,
+                      error: BaseException | None) -> None:
+        if type(job) is SlotReads:
+            self.tier.release_slots(job.slots, job.pages)
+            if error is None:
+                self._bytes_out.inc(job.nbytes)
+            else:
+                for index in job.items:
+                    self._get_item_failed(batch, index, None, error)
+            return
+        if error is None and not corrupt and not self.mover.links:  # all served, no admission
+            self._bytes_out.inc(self.tier.release_read(list(map(itemgetter(1), job))))
+            return
+        release, after_read = self.tier.release, self.mover.after_read
+        served = 0
+        for pos, (index, entry, _) in enumerate(job):
+            release(entry)
+            if error is None and not (corrupt and pos in corrupt):
+                entry.verified = True
+                served += entry.nbytes
+                after_read(entry)  # the chain's admission filter counts reads
+            else:
+                self._get_item_failed(batch, index, entry, error)
+        self._bytes_out.inc(served)
+
+    def _get_item_failed(self, batch: Batch, index: int, entry: ChunkEntry | None,
+                         error: BaseException | None) -> None:
+        """``entry`` None: a read held by slot, whose copy failed (never a check)."""
+        if batch.out_frames:
+            batch.out_frames[index] = b""
+        if error is None and entry is not None:  # the chunk failed its first-read check
+            self.metrics.integrity_failures.labels("cpu").inc()
+            log.error("chunk %r failed its checksum after a warm restart; dropped", entry.ikey)
+            self.mover.drop_cpu(entry)
+            batch.fail(index, Status.CHECKSUM_MISMATCH, "stored bytes failed their check")
+        elif isinstance(error, CudaContextLost):
+            batch.fail(index, Status.SHUTTING_DOWN, str(error))
+        else:
+            batch.fail(index, Status.INTERNAL, "copy out of the CPU tier failed")
