@@ -219,7 +219,8 @@ def room_pages(chunks: int) -> int:
     return chunks * 5 // 4 + 64
 
 
-def warm_arena(work: Path, chunks: int, repeat: int, lookup_s: float) -> dict:
+def warm_arena(work: Path, chunks: int, repeat: int, lookup_s: float,
+               lookup_only: bool = False) -> dict:
     name = f"kvtierd-bench-{uuid.uuid4().hex[:12]}"
     empty_name = f"{name}-empty"
     cpu = str(room_pages(chunks) * PAGE)  # below the high watermark: nothing is evicted
@@ -236,8 +237,13 @@ def warm_arena(work: Path, chunks: int, repeat: int, lookup_s: float) -> dict:
         indexed.stop()
         db_path = SHM / f"{name}.index"
         keys = fill_rows(db_path, meta, tenant_of(db_path, meta), chunks, 1, 1)
-        times, mem = restart_times(indexed, empty, repeat)
-        result = {"chunks": chunks, **times, "bytes_per_chunk": mem / chunks}
+        if lookup_only:  # one untimed start: the LOOKUP rows alone (e.g. while profiling)
+            indexed.start()
+            print(f"daemon pid {indexed.proc.pid} serving {chunks} chunks", flush=True)
+            result = {"chunks": chunks}
+        else:
+            times, mem = restart_times(indexed, empty, repeat)
+            result = {"chunks": chunks, **times, "bytes_per_chunk": mem / chunks}
         result["lookup"] = {str(b): dict(zip(("keys_per_s", "ping_keys_per_s"),
                                              lookup_rate(indexed.address, keys, b, lookup_s)))
                             for b in BATCHES}
@@ -302,7 +308,27 @@ def put_path(work: Path, chunks: int) -> dict:
         d.stop()
 
 
+def lookup_rows(w: dict) -> list[tuple[str, str, str, str]]:
+    return [(f"LOOKUP keys/s, {batch}-key batches", f"{m['keys_per_s']:,.0f}",
+             f"PING same requests {m['ping_keys_per_s']:,.0f} "
+             f"({m['keys_per_s'] / m['ping_keys_per_s']:.2f}x)",
+             f">= {TARGET_KEYS_PER_S:,}" if batch == "1024" else "")
+            for batch, m in w["lookup"].items()]
+
+
+def print_rows(rows: list[tuple[str, str, str, str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    header = ("what", "kvtierd", "ceiling / context (same run)", "target")
+    widths = [max(w_, len(h)) for w_, h in zip(widths, header)]
+    for row in (header, *rows):
+        print("  ".join(c.ljust(w_) for c, w_ in zip(row, widths)))
+
+
 def print_table(r: dict) -> None:
+    if r.get("lookup_only"):
+        print(f"{r['warm_arena']['chunks']:,} chunks indexed (warm arena)")
+        print_rows(lookup_rows(r["warm_arena"]))
+        return
     w, p, n = r["warm_arena"], r["put_path"], r["nvme"]
     rows = [
         ("memory per chunk, PUT path", f"{p['bytes_per_chunk']:.0f} B", f"{p['chunks']} chunks",
@@ -320,16 +346,7 @@ def print_table(r: dict) -> None:
         ("  CPU seconds of that start", f"{n['restart_cpu_s']:.2f} s",
          f"empty index {n['empty_restart_cpu_s']:.2f} s", ""),
     ]
-    for batch, m in w["lookup"].items():
-        rows.append((f"LOOKUP keys/s, {batch}-key batches", f"{m['keys_per_s']:,.0f}",
-                     f"PING same requests {m['ping_keys_per_s']:,.0f} "
-                     f"({m['keys_per_s'] / m['ping_keys_per_s']:.2f}x)",
-                     f">= {TARGET_KEYS_PER_S:,}" if batch == "1024" else ""))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    header = ("what", "kvtierd", "ceiling / context (same run)", "target")
-    widths = [max(w_, len(h)) for w_, h in zip(widths, header)]
-    for row in (header, *rows):
-        print("  ".join(c.ljust(w_) for c, w_ in zip(row, widths)))
+    print_rows(rows + lookup_rows(w))
 
 
 def main() -> int:
@@ -340,6 +357,8 @@ def main() -> int:
     ap.add_argument("--lookup-s", type=float, default=3.0, help="seconds per LOOKUP batch size")
     ap.add_argument("--nvme-root", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    ap.add_argument("--lookup-only", action="store_true",
+                    help="only the LOOKUP rows at --chunks (no PUT path, restarts or NVMe)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks/results/index_scale.json")
     args = ap.parse_args()
     if args.quick:
@@ -348,13 +367,17 @@ def main() -> int:
     results_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="index-scale-", dir=results_dir))
     try:
-        result = {
-            "quick": args.quick,
-            "cpus": os.cpu_count(),
-            "put_path": put_path(work, args.put_chunks),
-            "warm_arena": warm_arena(work, args.chunks, args.repeat, args.lookup_s),
-            "nvme": nvme(work, args.nvme_root or results_dir, args.chunks, args.repeat),
-        }
+        if args.lookup_only:
+            result = {"quick": args.quick, "cpus": os.cpu_count(), "lookup_only": True,
+                      "warm_arena": warm_arena(work, args.chunks, 1, args.lookup_s, True)}
+        else:
+            result = {
+                "quick": args.quick,
+                "cpus": os.cpu_count(),
+                "put_path": put_path(work, args.put_chunks),
+                "warm_arena": warm_arena(work, args.chunks, args.repeat, args.lookup_s),
+                "nvme": nvme(work, args.nvme_root or results_dir, args.chunks, args.repeat),
+            }
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(result)
