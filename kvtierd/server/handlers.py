@@ -250,7 +250,7 @@ class OpHandlers:
             raise ProtocolError(problem[0], problem[1]) from None
         n = len(slots)
         if n and min(slots) >= 0:  # every key a CPU hit (the common case): no per-key pass
-            self.accounting.lookup_counts({Tier.CPU: n}, {})
+            self.accounting.lookup_cpu_hits(n)
             self.ghosts.access_uniform(session.space, keys, "cpu")
             if lease:
                 entry, pin = cpu.index.entry, self.sessions.lease
