@@ -8,18 +8,20 @@ tenant at its quota finds its own coldest chunks in O(its victims), not O(all ch
 them).
 
 Garbage (superseded or removed entries) is dropped by rewriting the logs once it outweighs the
-live entries twice over: amortised O(1) per touch. Memory: a 4-byte stamp and a membership byte
-per slot plus 4 bytes per log entry in the main and the partition log (at most three per live
-slot, plus the slack), 13-29 bytes per chunk, and no per-key objects (the OrderedDicts this
-replaces cost ~100 bytes per key, twice).
+live entries three times over: amortised O(1) per touch. Memory: a 4-byte stamp and a membership
+byte per slot plus 4 bytes per log entry in the main and the partition log (one per live slot
+right after a rewrite or a restart, at most four plus the slack before the next), 9-37 bytes per
+chunk, and no per-key objects (the OrderedDicts this replaces cost ~100 bytes per key, twice).
 
 Why batched touches and the rewrite look the way they do: a 1024-key LOOKUP of a 1M-chunk tier
 touches every hit, and py-spy showed the touches and the rewrites they cause at a third of the
 handler (issue 12). So a batch stamps its members in one tight loop (membership read from a
 bytearray: no int object built per test, as reading a 32-bit stamp builds one), logs them with
 one ``extend`` (and the partition log with one ``range``), and a rewrite is three passes over
-the slabs with no per-entry test in Python; tolerating twice the live entries as garbage instead of
-once halves how often it runs, for 4 bytes a chunk at most.
+the slabs with no per-entry test in Python (still ~0.2 s at a million chunks on the 2-core test
+machine: every element it reads becomes an int object); tolerating three times the live entries
+as garbage instead of once makes it run a third as often, for at most 8 more bytes a chunk
+between rewrites.
 
 Positions are 32-bit: a rewrite renumbers them from 0 before they run out, so a tier may hold up
 to ~1.4 billion chunks.
@@ -35,14 +37,14 @@ from kvtierd.eviction.base import EvictionPolicy
 
 NONE = 0xFFFFFFFF  # stamp of a slot that is not in the policy
 _LIMIT = 0xFFFFFFF0  # positions stay below this (a rewrite renumbers them first)
-_SLACK = 65536  # garbage tolerated beyond twice the live entries before a rewrite
-_GARBAGE = 2  # garbage tolerated per live entry (plus the slack) before a rewrite
+_SLACK = 65536  # garbage tolerated beyond _GARBAGE times the live entries before a rewrite
+_GARBAGE = 3  # garbage tolerated per live entry (plus the slack) before a rewrite
 
 
 class LRUPolicy(EvictionPolicy):
     def __init__(self, slack: int = _SLACK) -> None:
-        """``slack``: garbage entries tolerated beyond twice the live ones (small in tests, to
-        make rewrites happen)."""
+        """``slack``: garbage entries tolerated beyond ``_GARBAGE`` times the live ones (small
+        in tests, to make rewrites happen)."""
         self._slack = slack
         self._stamp = array("I")  # per slot: position of its live log entry, or NONE
         self._member = bytearray()  # per slot: 1 iff its stamp is not NONE (cheap to test)
@@ -176,7 +178,7 @@ class LRUPolicy(EvictionPolicy):
         """Drop every garbage entry and renumber positions from 0, keeping the order. Live
         positions are marked from the members' stamps (``compress`` skips the others in C), the
         log is filtered by that mask in C and the stamps renumbered in one tight loop (each
-        measured faster than its ``map`` form): the log holds up to three entries per live slot,
+        measured faster than its ``map`` form): the log holds up to four entries per live slot,
         and every LOOKUP hit adds one (the old one turns garbage)."""
         stamp, log = self._stamp, self._log
         live_mask = bytearray(len(log))  # 1 where log[pos] is live (the garbage prefix: 0)
