@@ -25,7 +25,9 @@ All through real ``kvtierd serve`` processes (4 KiB pages, no metrics exporter),
 The NVMe tier needs ``--chunks`` pages of file (4 GiB at 1M): it goes in ``--nvme-root`` (default
 the results directory), or in /dev/shm when that disk is short, or at a smaller count when
 neither has room (the table says which). ``--quick`` runs tiny sizes (the smoke test): the output
-has the same shape, its numbers mean nothing. Results: a printed table and ``--json``.
+has the same shape, its numbers mean nothing. ``--lookup-only`` runs only the LOOKUP rows (one
+untimed start on a ``--chunks`` index, no PUT path, restarts or NVMe) and prints the daemon's pid,
+e.g. for ``py-spy record -p PID``. Results: a printed table and ``--json``.
 """
 
 from __future__ import annotations

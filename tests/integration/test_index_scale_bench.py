@@ -35,3 +35,21 @@ def test_index_scale_quick_runs_and_reports_every_row(tmp_path):
                 "LOOKUP keys/s, 1024-key batches"):
         assert row in done.stdout
     assert not list(Path("/dev/shm").glob("kvtierd-bench-*")), "the benchmark left its arenas"
+
+
+def test_index_scale_lookup_only_reports_the_lookup_rows_alone(tmp_path):
+    out = tmp_path / "index_scale.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/index_scale.py"), "--quick", "--lookup-only",
+         "--json", str(out)], capture_output=True, text=True, timeout=220, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["lookup_only"] is True and set(result) == {
+        "quick", "cpus", "lookup_only", "warm_arena"}
+    assert result["warm_arena"]["chunks"] == 3000
+    assert set(result["warm_arena"]["lookup"]) == {"1", "64", "1024"}
+    for rates in result["warm_arena"]["lookup"].values():
+        assert rates["keys_per_s"] > 0 and rates["ping_keys_per_s"] > 0
+    assert "LOOKUP keys/s, 1024-key batches" in done.stdout and "daemon pid" in done.stdout
+    assert "restart to serving" not in done.stdout
+    assert not list(Path("/dev/shm").glob("kvtierd-bench-*")), "the benchmark left its arenas"
