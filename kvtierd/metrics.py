@@ -48,6 +48,12 @@ class TierCollector(Collector):
         evictions = CounterMetricFamily(
             "kvtierd_evictions", "Chunks evicted from a tier", labels=["tier"]
         )
+        deferred = CounterMetricFamily(
+            "kvtierd_evictions_deferred",
+            "Evictions a tier put off: the victim was to cascade to the tier below but the arena's "
+            "bounce pages were in use (the chunk that needed the room went below itself)",
+            labels=["tier"],
+        )
         direct = GaugeMetricFamily(
             "kvtierd_nvme_direct_io", "1 when the NVMe tier uses O_DIRECT, 0 when buffered"
         )
@@ -57,9 +63,13 @@ class TierCollector(Collector):
             chunks.add_metric([name, "ready"], stats["chunks"])
             chunks.add_metric([name, "pending"], stats["pending_chunks"])
             evictions.add_metric([name], stats.get("evictions", 0))
+            if "evictions_deferred" in stats:
+                deferred.add_metric([name], stats["evictions_deferred"])
             if "direct_io" in stats:
                 direct.add_metric([], stats["direct_io"])
         yield from (capacity, used, chunks, evictions)
+        if deferred.samples:
+            yield deferred
         if direct.samples:
             yield direct
 

@@ -12,7 +12,8 @@ Everything that moves chunks between tiers is written here once, for any ``Lower
   the arena copy stays. With an admission filter (``after_reads``) it starts at the N-th read.
 * **Cascading on eviction**: a chunk a lower tier evicts (NVMe, full) goes on to the first tier
   below it whose policy is ``on-evict``, through bounce pages set aside in the arena
-  (``kvtierd.server.chain_cascade``); best effort, else it is dropped.
+  (``kvtierd.server.chain_cascade``). While those are in use the victim stays, and the chunk that
+  needed its room goes below itself; a victim no tier below can take is dropped.
 * **Promotion**: a GET hit below reads the chunk into reserved arena pages (the caller parks items
   while the arena is full, as for any promotion), verified by the tier, then commits it. The
   promotions of one loop iteration (a GET batch, a parked retry) are queued per tier and flushed
@@ -360,12 +361,16 @@ class TierChain:
     def _lower_dropped(self, link: Link, entry: ChunkEntry) -> None:
         self.events.dropped(link.name, entry)
 
-    def _lower_evicted(self, link: Link, entry: ChunkEntry) -> None:
+    def _lower_evicted(self, link: Link, entry: ChunkEntry) -> bool:
         """``link``'s tier evicts ``entry``: maybe held and queued further down
-        (``kvtierd.server.chain_cascade``)."""
+        (``kvtierd.server.chain_cascade``). False: it is to go further down but the bounce pages
+        are in use, so it stays for now (and the chunk that needed its room goes below itself)."""
         cascade = chain_cascade.hold(self, link, entry)
+        if cascade is chain_cascade.NO_ROOM:
+            return False
         if cascade is not None:
             cascade[0].cascades.append(cascade[1])
+        return True
 
     # -- submitting --------------------------------------------------------------------------------
     def flush(self) -> None:

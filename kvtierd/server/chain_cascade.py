@@ -7,9 +7,14 @@ one write job per batch, then let go (``kvtierd.server.chain_io`` settles each o
 
 The bounce pages are a slice of the arena set aside when the chain is built (``CASCADE_BYTES``, at
 most 1/16 of the arena, only when some tier has an ``on-evict`` tier below it): a cascade never
-takes pages from a PUT or a promotion, and needs no index entry in the arena. Best effort: with
-the slice in use, the tier below unusable, or an admission threshold on it (its reads were not
-counted below the arena), the victim is dropped as a chunk evicted from the last tier is.
+takes pages from a PUT or a promotion, and needs no index entry in the arena.
+
+While the slice is in use, a victim that would cascade stays where it is (``NO_ROOM``: the tier
+stops evicting and counts ``evictions_deferred``): the reservation that needed its room fails,
+and the chain writes that chunk to the tier below itself, so pressure loses neither. A victim is
+dropped, as one evicted from the last tier is, only when no tier below can take it: none usable
+(down, or its circuit breaker open), an admission threshold on it (its reads were not counted
+below the arena), or it holds the chunk already.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ log = logging.getLogger(__name__)
 
 #: Arena bytes set aside for chunks cascading between lower tiers (at most 1/16 of the arena).
 CASCADE_BYTES = 64 * 1024**2
+#: ``hold``'s answer for a victim that is to cascade while the bounce pages are in use.
+NO_ROOM = object()
 
 
 @dataclass(eq=False)
@@ -77,10 +84,11 @@ def set_aside(cpu: CpuTier, links: list[Link], nbytes: int) -> BouncePages | Non
     return BouncePages(run)
 
 
-def hold(chain: TierChain, link: Link, entry: ChunkEntry) -> tuple[Link, Cascade] | None:
+def hold(chain: TierChain, link: Link, entry: ChunkEntry) -> tuple[Link, Cascade] | object | None:
     """``link``'s tier evicts ``entry``: held (acquired) with bounce pages and a reservation in
     the first tier below that takes what leaves the tiers above it, if any can. Returns the link
-    below and the cascade to queue there."""
+    below and the cascade to queue there; None: nothing below takes it (drop it); ``NO_ROOM``:
+    it is to cascade but the bounce pages are in use (keep it for now)."""
     if chain.bounce is None:
         return None
     below = next((other for other in chain.links[chain.links.index(link) + 1:]
@@ -89,8 +97,8 @@ def hold(chain: TierChain, link: Link, entry: ChunkEntry) -> tuple[Link, Cascade
             or below.tier.holds(entry.ikey, entry.checksum)):
         return None
     bounce = chain.bounce.take(chain.cpu.pages_for(entry.nbytes))
-    if bounce is None:  # the slice is in use: dropped, as without a cascade
-        return None
+    if bounce is None:  # the slice is in use: the victim stays until it frees up
+        return NO_ROOM if chain.bounce.pages >= chain.cpu.pages_for(entry.nbytes) else None
     target = below.tier.reserve(entry.ikey, entry.fingerprint, entry.nbytes, entry.checksum)
     if target is None:
         chain.bounce.give_back(bounce)

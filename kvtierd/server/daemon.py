@@ -27,8 +27,7 @@ import zmq
 from kvtierd import __version__, cuda_health, event_snapshot
 from kvtierd.config import Config
 from kvtierd.copy.engine import CopyEngine
-from kvtierd.events import (
-    NO_EVENTS, ChainEventsAdapter, EventsBindError, EventsCollector, NoEvents, make_events)
+from kvtierd.events import NO_EVENTS, ChainEventsAdapter, EventsCollector, NoEvents
 from kvtierd.ghost import GhostCaches, GhostCollector
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.notify import Notifier
@@ -41,6 +40,7 @@ from kvtierd.protocol import (
     reply,
     unpack,
 )
+from kvtierd.server import envelope
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.admission import Admission
 from kvtierd.server.connections import (
@@ -55,6 +55,7 @@ from kvtierd.server.sessions import SessionTable
 from kvtierd.server.socket_files import AlreadyServing  # noqa: F401 (the CLI's import)
 from kvtierd.server.startup import (  # noqa: F401 (StartupError: the CLI's import)
     StartupError,
+    bind_events,
     bind_handshake,
     bind_router,
     prepare_arena_room,
@@ -103,7 +104,7 @@ class Daemon:
             # Binds first: a taken port or an unbindable path ends the start before the arena.
             self.ctx, self.socket, self.monitor = bind_router(cfg, MONITOR_EVENTS)
             bind_handshake(self.handshake, cfg)
-            self.events = self._bind_events(cfg)  # kv-events hook: bound before the arena
+            self.events = bind_events(cfg)  # kv-events hook: bound before the arena
             self.metrics_address = serve_metrics(self.metrics, cfg.metrics_addr)
             prepare_arena_room(cfg)
             self.notifier.status(f"mapping the CPU tier ({cfg.cpu_bytes} bytes)")
@@ -135,13 +136,6 @@ class Daemon:
         self._close_sockets()
         self.metrics.close()
 
-    @staticmethod
-    def _bind_events(cfg: Config) -> NoEvents:
-        try:
-            return make_events(cfg)
-        except EventsBindError as exc:
-            raise StartupError(exc.key, exc.value, exc.reason) from None
-
     def _start_failed(self, exc: BaseException) -> None:
         """systemd shows the reason in ``systemctl status`` (STATUS=), as the log does."""
         if isinstance(exc, Exception):
@@ -154,7 +148,7 @@ class Daemon:
             high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
             quota_pages=self._quota_pages,
         )
-        self._attach_arena_index(cfg)
+        tier_setup.attach_arena_index(cfg, self.tier, self.arena)
         self.engine = CopyEngine(cfg.copy_threads)
         self.io_engine = CopyEngine(cfg.io_threads, inline_bytes=-1)  # disk I/O never inline
         self.mover = TierChain(self.tier, self._lower_tiers(cfg), self.io_engine, self.metrics)
@@ -214,9 +208,6 @@ class Daemon:
         0 would mean "no quota"."""
         quota = self.tenants.quota_bytes(tenant)
         return max(1, quota // self.cfg.page_bytes) if quota else 0
-
-    def _attach_arena_index(self, cfg: Config) -> None:
-        tier_setup.attach_arena_index(cfg, self.tier, self.arena)
 
     def _lower_tiers(self, cfg: Config) -> list[tuple[LowerTier, PublishPolicy]]:
         return tier_setup.lower_tiers(cfg, self.arena)
@@ -451,9 +442,10 @@ class Daemon:
                 raise ProtocolError(Status.BAD_MESSAGE, "message has no header frame")
             header = unpack(frames[1].bytes, self.cfg.max_header_bytes)
             request_id = header.get("id")
-            op = self._check_envelope(header)
+            op = envelope.check_envelope(header)
             op_label = op.name.lower()
-            self._check_frame_count(op, identity, len(frames) - 1)
+            envelope.check_frame_count(op, self.sessions.by_identity.get(identity),
+                                       len(frames) - 1, self.cfg.max_batch)
             result = self._run(op, identity, header, [f.buffer for f in frames[2:]])
             if result is None:
                 return  # copies in flight: answered by OpHandlers.finish
@@ -469,44 +461,6 @@ class Daemon:
             status_label = Status.INTERNAL.name
         self.metrics.requests.labels(op_label, status_label).inc()
         self.metrics.latency.labels(op_label).observe(time.perf_counter() - started)
-
-    def _check_frame_count(self, op: Op, identity: bytes, count: int) -> None:
-        """Payload frames belong only to PUTs of inline sessions (one per item)."""
-        if count == 1:
-            return
-        if count > self.cfg.max_batch + 1:
-            raise ProtocolError(
-                Status.TOO_LARGE,
-                f"message has {count} frames; the limit is max_batch + 1 ({self.cfg.max_batch + 1})",
-            )
-        session = self.sessions.by_identity.get(identity)
-        if op is Op.PUT and session is None:
-            return  # answered NO_SESSION next
-        if op is not Op.PUT or session is None or session.staging is not None:
-            raise ProtocolError(
-                Status.BAD_REQUEST,
-                f"{op.name} carries {count - 1} payload frame(s); payload frames are only accepted "
-                "with a PUT from an inline session",
-            )
-
-    def _check_envelope(self, header: dict) -> Op:
-        version = header.get("v")
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(
-                Status.UNSUPPORTED_VERSION,
-                f"protocol version {version!r} is not supported; this daemon speaks "
-                f"{PROTOCOL_VERSION}",
-            )
-        if not isinstance(header.get("id"), int) or isinstance(header.get("id"), bool):
-            raise ProtocolError(Status.BAD_MESSAGE, f"request id {header.get('id')!r} is not an int")
-        try:
-            return Op(header.get("op"))
-        except ValueError:
-            raise ProtocolError(
-                Status.UNKNOWN_OP,
-                f"op {header.get('op')!r} is unknown; known: "
-                + ", ".join(f"{o.value} ({o.name})" for o in Op),
-            ) from None
 
     def _run(self, op: Op, identity: bytes, header: dict, payload: list) -> Any:
         if op is Op.HELLO:

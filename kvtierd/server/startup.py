@@ -16,6 +16,7 @@ from pathlib import Path
 import zmq
 
 from kvtierd.config import Config
+from kvtierd.events import EventsBindError, NoEvents, make_events
 from kvtierd.paths import MAX_IPC_PATH_BYTES
 from kvtierd.server.handshake import HandshakeServer
 from kvtierd.server.socket_files import AlreadyServing, claim_ipc_path, prepare_socket_dir
@@ -59,6 +60,15 @@ def bind_router(cfg: Config, monitor_events: int) -> tuple[zmq.Context, zmq.Sock
         ctx.destroy(linger=0)
         raise
     return ctx, sock, monitor
+
+
+def bind_events(cfg: Config) -> NoEvents:
+    """The kv-events publisher (a no-op one without ``events_addr``), bound before the arena: a
+    taken events port ends the start with the key, the value and the cause."""
+    try:
+        return make_events(cfg)
+    except EventsBindError as exc:
+        raise StartupError(exc.key, exc.value, exc.reason) from None
 
 
 def bind_handshake(server: HandshakeServer, cfg: Config) -> None:

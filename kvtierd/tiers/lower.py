@@ -196,8 +196,10 @@ class LowerTier(ABC):
     on_drop: Callable[[ChunkEntry], None]
     #: Set by the chain; a tier that evicts (NVMe) calls it for each victim just before dropping
     #: it, so that the chain may ``acquire`` the victim to copy it further down (its pages are then
-    #: freed when it is released, as for any doomed chunk). The default does nothing.
-    on_evict: Callable[[ChunkEntry], None] = staticmethod(lambda entry: None)
+    #: freed when it is released, as for any doomed chunk). False: the victim must stay for now (it
+    #: is to be copied further down, but the chain has no room to copy it yet); the tier then stops
+    #: evicting (warmer victims stay too) and counts ``evictions_deferred``. The default: True.
+    on_evict: Callable[[ChunkEntry], bool] = staticmethod(lambda entry: True)
 
     # -- lookups -------------------------------------------------------------------------------
     @abstractmethod

@@ -105,12 +105,12 @@ class NvmeTier(TierIndex):
         self.policy_name = policy
         self.policy = make_policy(policy)
         self.index = ChunkIndex(page_bytes)
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter(evictions_deferred=0)
         self.pending_free_pages = 0
         self._doomed: set[ChunkEntry] = set()
         self._to_free: list[ChunkEntry] = []  # left the index; rows to delete, then pages to free
         self.on_drop: Callable[[ChunkEntry], None] = lambda entry: None
-        self.on_evict: Callable[[ChunkEntry], None] = lambda entry: None
+        self.on_evict: Callable[[ChunkEntry], bool] = lambda entry: True
         self.ready_chunks = self.ready_pages = 0
         self._recover(on_status or (lambda _: None))
 
@@ -286,8 +286,13 @@ class NvmeTier(TierIndex):
 
     def evict(self, pages_needed: int) -> int:
         victims, freed = self.pick_victims(pages_needed)
-        for entry in victims:
-            self.on_evict(entry)  # the chain may hold it to copy it below (LowerTier.on_evict)
+        for n, entry in enumerate(victims):
+            # The chain may hold it to copy it below, or have it stay for now (LowerTier.on_evict):
+            # then it and every warmer victim stay, and the caller gets less room than it asked.
+            if not self.on_evict(entry):
+                freed -= sum(e.pages for e in victims[n:])
+                self.counters["evictions_deferred"] += 1
+                break
             if entry.ref_count:
                 freed -= entry.pages  # freed when the chain releases it
             self.drop(entry)

@@ -431,6 +431,44 @@ def test_what_nvme_evicts_cascades_to_an_on_evict_remote(make):
     s.invariants()
 
 
+def test_victims_wait_for_the_bounce_pages_instead_of_being_dropped(make):
+    """Under pressure (many NVMe victims in one loop turn, bounce pages for one chunk), NVMe does
+    not evict what it cannot cascade yet: the victim stays and the chunk that needed its room goes
+    to the remote itself. So no chunk is lost, and the deferral is counted."""
+    s = make(remote_policy=PublishPolicy(EVICT), pages=128, cascade_pages=3, nvme_pages=12)
+    assert s.chain.bounce.pages == 3  # one three-page chunk at a time
+    payloads = {}
+    for rnd in range(5):
+        for i in range(4):  # four CPU victims in one turn: each needs NVMe's room
+            key = b"r%dc%d" % (rnd, i)
+            payloads[key] = s.put(key)
+        s.evict_all()
+        s.invariants()
+    assert s.nvme.counters["evictions_deferred"] > 0
+    assert s.metric("kvtierd_bytes_total", direction="cascade", tier="remote") > 0
+    assert s.chain.bounce.allocator.free_pages == 3, "bounce pages not given back"
+    on_nvme = {k for k in payloads if s.nvme.peek((SPACE, k)) is not None}
+    on_remote = {k for k in payloads if s.remote.peek((SPACE, k)) is not None}
+    assert on_nvme | on_remote == set(payloads), sorted(set(payloads) - on_nvme - on_remote)
+    for key in sorted(on_remote - on_nvme):
+        ok, data = s.promote(key, len(payloads[key]))
+        assert ok and data == payloads[key], key
+        s.cpu.delete((SPACE, key))
+    s.invariants()
+
+
+def test_a_victim_larger_than_the_bounce_pages_is_dropped_not_kept(make):
+    """A chunk that can never fit the bounce slice is evicted as before (NVMe would otherwise
+    never free its room)."""
+    s = make(remote_policy=PublishPolicy(EVICT), pages=128, cascade_pages=2, nvme_pages=12)
+    for i in range(6):
+        s.put(b"big%d" % i)  # three pages each: never fits two bounce pages
+        s.evict_all()
+        s.invariants()
+    assert s.nvme.counters["evictions"] > 0 and s.nvme.counters["evictions_deferred"] == 0
+    assert s.metric("kvtierd_bytes_total", direction="cascade", tier="remote") == 0
+
+
 def test_no_cascade_without_an_on_evict_tier_below(make):
     s = make(remote_policy=PublishPolicy(COMMIT), pages=128, cascade_pages=8)
     assert s.chain.bounce is None and not s.cpu.set_aside_runs
