@@ -25,7 +25,7 @@ All through real ``kvtierd serve`` processes (4 KiB pages, no metrics exporter),
 The NVMe tier needs ``--chunks`` pages of file (4 GiB at 1M): it goes in ``--nvme-root`` (default
 the results directory), or in /dev/shm when that disk is short, or at a smaller count when
 neither has room (the table says which). ``--quick`` runs tiny sizes (the smoke test): the output
-has the same shape, its numbers mean nothing. ``--lookup-only`` runs only the LOOKUP rows (one
+has the same shape, its numbers mean nothing. ``--only lookup`` runs only the LOOKUP rows (one
 untimed start on a ``--chunks`` index, no PUT path, restarts or NVMe) and prints the daemon's pid,
 e.g. for ``py-spy record -p PID``. Results: a printed table and ``--json``.
 """
@@ -60,11 +60,13 @@ TARGET_KEYS_PER_S = 1_000_000
 BATCHES = (1, 64, 1024)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` so far: what a start costs on a machine other processes
-    share (wall time there mostly measures the others)."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user + system, system) CPU seconds of ``pid`` so far: what a start costs on a machine
+    other processes share (wall time there mostly measures the others); the kernel's part is
+    mostly page faults (a 1M-chunk index is ~300 MB of fresh memory)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, int(fields[12]) / tick
 
 
 class Daemon:
@@ -77,6 +79,7 @@ class Daemon:
                      "--no-prefault", "--no-mlock", *flags]
         self.proc: subprocess.Popen | None = None
         self.start_cpu_s = 0.0  # CPU seconds the process used until its first PING answer
+        self.start_sys_s = 0.0  # the kernel's part of them
         # Bytecode cached (in the work directory) as an installed package has it: a shell with
         # PYTHONDONTWRITEBYTECODE would otherwise compile every module at every start (~0.3 s).
         self.env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
@@ -98,7 +101,7 @@ class Daemon:
                 if probe.poll(2):
                     probe.recv_multipart()
                     wall = time.perf_counter() - started
-                    self.start_cpu_s = cpu_seconds(self.proc.pid)
+                    self.start_cpu_s, self.start_sys_s = cpu_seconds(self.proc.pid)
                     return wall
                 if self.proc.poll() is not None or time.perf_counter() - started > timeout_s:
                     raise RuntimeError(f"kvtierd did not start:\n{self.log_path.read_text()}")
@@ -197,13 +200,14 @@ def lookup_rate(address: str, keys: list[bytes], batch: int, seconds: float) -> 
 def restart_times(indexed: Daemon, empty: Daemon, repeat: int) -> tuple[dict, float]:
     """Medians of wall and CPU seconds to serving (with the index, on an empty index),
     interleaved; and the private memory difference of the two (bytes), on the last starts."""
-    full_t, empty_t, full_cpu, empty_cpu = [], [], [], []
+    full_t, empty_t, full_cpu, empty_cpu, full_sys = [], [], [], [], []
     mem = 0
     empty.start()  # untimed: creates its arena (fallocate) and bytecode, as the indexed one has
     empty.stop()
     for n in range(repeat):
         full_t.append(indexed.start())
         full_cpu.append(indexed.start_cpu_s)
+        full_sys.append(indexed.start_sys_s)
         empty_t.append(empty.start())
         empty_cpu.append(empty.start_cpu_s)
         if n == repeat - 1:
@@ -213,7 +217,9 @@ def restart_times(indexed: Daemon, empty: Daemon, repeat: int) -> tuple[dict, fl
             indexed.stop()
     med = statistics.median
     return {"restart_s": med(full_t), "empty_restart_s": med(empty_t),
-            "restart_cpu_s": med(full_cpu), "empty_restart_cpu_s": med(empty_cpu)}, mem
+            "restart_cpu_s": med(full_cpu), "empty_restart_cpu_s": med(empty_cpu),
+            "restart_sys_s": med(full_sys), "restart_runs_s": full_t,
+            "restart_cpu_runs_s": full_cpu, "restart_sys_runs_s": full_sys}, mem
 
 
 def room_pages(chunks: int) -> int:
@@ -242,13 +248,15 @@ def warm_arena(work: Path, chunks: int, repeat: int, lookup_s: float,
         if lookup_only:  # one untimed start: the LOOKUP rows alone (e.g. while profiling)
             indexed.start()
             print(f"daemon pid {indexed.proc.pid} serving {chunks} chunks", flush=True)
-            result = {"chunks": chunks}
+            result = {"chunks": chunks, "arenas": [name]}
         else:
             times, mem = restart_times(indexed, empty, repeat)
-            result = {"chunks": chunks, **times, "bytes_per_chunk": mem / chunks}
-        result["lookup"] = {str(b): dict(zip(("keys_per_s", "ping_keys_per_s"),
-                                             lookup_rate(indexed.address, keys, b, lookup_s)))
-                            for b in BATCHES}
+            result = {"chunks": chunks, **times, "bytes_per_chunk": mem / chunks,
+                      "arenas": [name, empty_name]}  # removed at the end (the smoke test checks)
+        if lookup_s > 0:
+            result["lookup"] = {str(b): dict(zip(("keys_per_s", "ping_keys_per_s"),
+                                                 lookup_rate(indexed.address, keys, b, lookup_s)))
+                                for b in BATCHES}
         return result
     finally:
         for d in (indexed, empty):
@@ -310,45 +318,33 @@ def put_path(work: Path, chunks: int) -> dict:
         d.stop()
 
 
-def lookup_rows(w: dict) -> list[tuple[str, str, str, str]]:
-    return [(f"LOOKUP keys/s, {batch}-key batches", f"{m['keys_per_s']:,.0f}",
-             f"PING same requests {m['ping_keys_per_s']:,.0f} "
-             f"({m['keys_per_s'] / m['ping_keys_per_s']:.2f}x)",
-             f">= {TARGET_KEYS_PER_S:,}" if batch == "1024" else "")
-            for batch, m in w["lookup"].items()]
-
-
-def print_rows(rows: list[tuple[str, str, str, str]]) -> None:
+def print_table(r: dict) -> None:
+    """The rows of what ran (``--only`` runs a part)."""
+    rows = []
+    for name, what in (("put_path", "PUT path"), ("warm_arena", "warm arena"), ("nvme", "NVMe")):
+        if "bytes_per_chunk" in r.get(name, {}):
+            rows.append((f"memory per chunk, {what}", f"{r[name]['bytes_per_chunk']:.0f} B",
+                         f"{r[name]['chunks']} chunks", f"<= {TARGET_BYTES_PER_CHUNK} B"))
+    for name, what in (("warm_arena", "warm arena"), ("nvme", "NVMe")):
+        if "restart_s" in r.get(name, {}):
+            m = r[name]
+            where = f" ({m['dir']})" if "dir" in m else ""
+            rows += [(f"restart to serving, {what}", f"{m['restart_s']:.2f} s",
+                      f"empty index {m['empty_restart_s']:.2f} s{where}",
+                      f"<= {TARGET_RESTART_S} s"),
+                     ("  CPU seconds of that start",
+                      f"{m['restart_cpu_s']:.2f} s ({m['restart_sys_s']:.2f} s kernel)",
+                      f"empty index {m['empty_restart_cpu_s']:.2f} s", "")]
+    for batch, m in r.get("warm_arena", {}).get("lookup", {}).items():
+        rows.append((f"LOOKUP keys/s, {batch}-key batches", f"{m['keys_per_s']:,.0f}",
+                     f"PING same requests {m['ping_keys_per_s']:,.0f} "
+                     f"({m['keys_per_s'] / m['ping_keys_per_s']:.2f}x)",
+                     f">= {TARGET_KEYS_PER_S:,}" if batch == "1024" else ""))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     header = ("what", "kvtierd", "ceiling / context (same run)", "target")
     widths = [max(w_, len(h)) for w_, h in zip(widths, header)]
     for row in (header, *rows):
         print("  ".join(c.ljust(w_) for c, w_ in zip(row, widths)))
-
-
-def print_table(r: dict) -> None:
-    if r.get("lookup_only"):
-        print(f"{r['warm_arena']['chunks']:,} chunks indexed (warm arena)")
-        print_rows(lookup_rows(r["warm_arena"]))
-        return
-    w, p, n = r["warm_arena"], r["put_path"], r["nvme"]
-    rows = [
-        ("memory per chunk, PUT path", f"{p['bytes_per_chunk']:.0f} B", f"{p['chunks']} chunks",
-         f"<= {TARGET_BYTES_PER_CHUNK} B"),
-        ("memory per chunk, warm arena", f"{w['bytes_per_chunk']:.0f} B", f"{w['chunks']} chunks",
-         f"<= {TARGET_BYTES_PER_CHUNK} B"),
-        ("memory per chunk, NVMe", f"{n['bytes_per_chunk']:.0f} B", f"{n['chunks']} chunks",
-         f"<= {TARGET_BYTES_PER_CHUNK} B"),
-        ("restart to serving, warm arena", f"{w['restart_s']:.2f} s",
-         f"empty index {w['empty_restart_s']:.2f} s", f"<= {TARGET_RESTART_S} s"),
-        ("  CPU seconds of that start", f"{w['restart_cpu_s']:.2f} s",
-         f"empty index {w['empty_restart_cpu_s']:.2f} s", ""),
-        ("restart to serving, NVMe", f"{n['restart_s']:.2f} s",
-         f"empty index {n['empty_restart_s']:.2f} s ({n['dir']})", f"<= {TARGET_RESTART_S} s"),
-        ("  CPU seconds of that start", f"{n['restart_cpu_s']:.2f} s",
-         f"empty index {n['empty_restart_cpu_s']:.2f} s", ""),
-    ]
-    print_rows(rows + lookup_rows(w))
 
 
 def main() -> int:
@@ -359,8 +355,10 @@ def main() -> int:
     ap.add_argument("--lookup-s", type=float, default=3.0, help="seconds per LOOKUP batch size")
     ap.add_argument("--nvme-root", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
-    ap.add_argument("--lookup-only", action="store_true",
-                    help="only the LOOKUP rows at --chunks (no PUT path, restarts or NVMe)")
+    ap.add_argument("--only", choices=("all", "restart", "warm", "nvme", "lookup"), default="all",
+                    help="restart: only the two restart rows (no PUT-path memory, no LOOKUP); "
+                         "warm / nvme: only that restart row; lookup: only the LOOKUP rows "
+                         "(one start on a --chunks index; prints the daemon's pid)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks/results/index_scale.json")
     args = ap.parse_args()
     if args.quick:
@@ -369,17 +367,17 @@ def main() -> int:
     results_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="index-scale-", dir=results_dir))
     try:
-        if args.lookup_only:
-            result = {"quick": args.quick, "cpus": os.cpu_count(), "lookup_only": True,
-                      "warm_arena": warm_arena(work, args.chunks, 1, args.lookup_s, True)}
-        else:
-            result = {
-                "quick": args.quick,
-                "cpus": os.cpu_count(),
-                "put_path": put_path(work, args.put_chunks),
-                "warm_arena": warm_arena(work, args.chunks, args.repeat, args.lookup_s),
-                "nvme": nvme(work, args.nvme_root or results_dir, args.chunks, args.repeat),
-            }
+        result = {"quick": args.quick, "cpus": os.cpu_count()}
+        if args.only == "all":
+            result["put_path"] = put_path(work, args.put_chunks)
+        if args.only in ("all", "restart", "warm"):
+            result["warm_arena"] = warm_arena(work, args.chunks, args.repeat,
+                                              args.lookup_s if args.only == "all" else 0.0)
+        if args.only == "lookup":
+            result["warm_arena"] = warm_arena(work, args.chunks, 1, args.lookup_s,
+                                              lookup_only=True)
+        if args.only in ("all", "restart", "nvme"):
+            result["nvme"] = nvme(work, args.nvme_root or results_dir, args.chunks, args.repeat)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(result)

@@ -132,6 +132,18 @@ class GhostLRU:
         order = self._order
         capacity = self.capacity_pages
         used = self.used_pages
+        if (type(keys) is list and len(set(keys)) == len(keys) and order.keys().isdisjoint(keys)
+                and max(pages, default=0) <= capacity):
+            # New, distinct keys that each fit (a fresh PUT batch): appended in one C call, then
+            # the coldest keys leave until the rest fits. The same order and pages as one insert
+            # at a time: what those evict is always a prefix, the shortest one that leaves the
+            # rest within capacity, which only grows as keys are added.
+            order.update(zip(keys, pages))
+            used += sum(pages)
+            while used > capacity:
+                used -= order.popitem(last=False)[1]
+            self.used_pages = used
+            return
         for key, n in zip(keys, pages):
             old = order.pop(key, None)
             if old is not None:
@@ -324,7 +336,10 @@ class GhostCaches:
             return
         hashed = self.keys_of(space, keys)
         page = self.page_bytes
-        pages = [max(1, -(-n // page)) for n in nbytes]
+        if nbytes and nbytes.count(nbytes[0]) == len(nbytes):  # one chunk size (most batches)
+            pages = [max(1, -(-nbytes[0] // page))] * len(nbytes)
+        else:
+            pages = [max(1, -(-n // page)) for n in nbytes]
         for tier in self.tiers:
             if tier.sample_ratio >= 1.0:
                 tier_keys, tier_pages = hashed, pages

@@ -128,6 +128,11 @@ class MemfdStaging:
     def copy_out(self, arena: Arena, segments: list[tuple[int, int]], offset: int) -> None:
         memcpy.copy_out(arena.address, segments, self.address, offset)
 
+    def copy_out_many(self, arena: Arena, srcs: list[int], dsts: list[int],
+                      sizes: list[int]) -> None:
+        """``sizes[i]`` bytes at arena offset ``srcs[i]`` → staging offset ``dsts[i]``."""
+        memcpy.copy_out_many(arena.address, srcs, self.address, dsts, sizes)
+
     def check_range(self, offset: object, nbytes: object) -> str | None:
         """Why ``(offset, nbytes)`` is not inside the buffer, or None when it is."""
         if not isinstance(offset, int) or not isinstance(nbytes, int):

@@ -181,6 +181,12 @@ class CudaIpcStaging:
         """Arena → staging (host to device); returns once the bytes are on the device."""
         self._copy(offset, arena, segments, MEMCPY_HOST_TO_DEVICE)
 
+    def copy_out_many(self, arena: Arena, srcs: list[int], dsts: list[int],
+                      sizes: list[int]) -> None:
+        """``sizes[i]`` bytes at arena offset ``srcs[i]`` → staging offset ``dsts[i]``."""
+        for src, dst, nbytes in zip(srcs, dsts, sizes):
+            self._copy(dst, arena, [(src, nbytes)], MEMCPY_HOST_TO_DEVICE)
+
     def _copy(self, offset: int, arena: Arena, segments: list[tuple[int, int]], kind: int) -> None:
         cuda_health.check_device(self.device)  # never copy on a context that faulted
         cp = self._cupy

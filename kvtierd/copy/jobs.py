@@ -44,6 +44,12 @@ def copy_out(staging: Any, arena: Any, segments: Segments, job: Job) -> set[int]
     return bad
 
 
+def copy_reads_out(staging: Any, arena: Any, reads: Any) -> None:
+    """A GET job of chunks held by slot (``kvtierd.server.batch.SlotReads``: byte ranges,
+    already verified) → staging."""
+    staging.copy_out_many(arena, reads.src, reads.dst, reads.sizes)
+
+
 def _frame_in(payload: memoryview, arena: Any, segs: list[tuple[int, int]]) -> bytes:
     pos = 0
     for offset, length in segs:

@@ -57,6 +57,15 @@ def copy_out(
         pos += length
 
 
+def copy_out_many(src_address: int, srcs: list[int], dst_address: int, dsts: list[int],
+                  sizes: list[int]) -> None:
+    """``copy_out`` of many one-range chunks: ``sizes[i]`` bytes at ``srcs[i]`` of the source
+    to ``dsts[i]`` of the destination (a GET job of reads held by slot: one call, no list of
+    segments per chunk)."""
+    for src, dst, nbytes in zip(srcs, dsts, sizes):
+        _memmove(dst_address + dst, src_address + src, nbytes)
+
+
 def checksum(view: memoryview, segments: list[tuple[int, int]]) -> bytes:
     if len(segments) == 1:
         offset, length = segments[0]

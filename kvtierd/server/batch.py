@@ -54,6 +54,22 @@ class Batch:
             self.errors.append([index, status.name, message])
 
 
+@dataclass(eq=False, slots=True)
+class SlotReads:
+    """A GET copy job of chunks held by slot (``CpuTier.acquire_slots``), as columns: no
+    tuple and no entry per chunk. The copy thread reads ``src``/``dst``/``sizes``; the loop
+    releases ``slots`` (``pages`` in all) when the job is done, and fails ``items`` if it
+    failed."""
+
+    items: list[int]  # the batch's item indices
+    slots: list[int]
+    src: list[int]  # arena byte offsets
+    dst: list[int]  # staging byte offsets
+    sizes: list[int]
+    pages: int
+    nbytes: int
+
+
 def job_bytes(items: list, threads: int) -> int:
     """Bytes per copy job for ``items``: the batch spread over the copy threads, at most
     MAX_JOB_BYTES. The total is estimated from the first item (batches are one chunk size)."""

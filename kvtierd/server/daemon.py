@@ -50,6 +50,7 @@ from kvtierd.server.handlers import OpHandlers
 from kvtierd.server.handshake import HandshakeServer
 from kvtierd.server import tier_setup
 from kvtierd.server.chain import TierChain
+from kvtierd.server.gc_tuning import rare_collections
 from kvtierd.server.probes import ProbeSchedule
 from kvtierd.server.sessions import SessionTable
 from kvtierd.server.socket_files import AlreadyServing  # noqa: F401 (the CLI's import)
@@ -237,7 +238,8 @@ class Daemon:
             self._announce_when_pinned()
             if on_ready is not None:
                 on_ready()
-            self._loop()
+            with rare_collections():  # kvtierd.server.gc_tuning: why
+                self._loop()
         finally:
             self._shutdown()
         lost = cuda_health.lost()

@@ -41,7 +41,7 @@ from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import MAX_KEY_BYTES, Op, ProtocolError, Status, Tier, reply
 from kvtierd.server import fast_path, requests
 from kvtierd.server.accounting import Accounting
-from kvtierd.server.batch import MAX_JOB_BYTES, Batch, JobQueue, job_bytes
+from kvtierd.server.batch import MAX_JOB_BYTES, Batch, JobQueue, SlotReads, job_bytes
 from kvtierd.server.chain import ChainEvents, TierChain
 from kvtierd.server.refusals import reserve_message
 from kvtierd.server.sessions import Session, SessionTable
@@ -213,7 +213,8 @@ class DataOps:
                 self.sessions.release_lease(session, (session.space, key))
             self._get_item(batch, queue, i, key, offset, nbytes)
         if valid:
-            fast_path.get_items(self.tier, batch, queue, valid, self.sessions)
+            fast_path.get_items(self.tier, batch, queue, valid, self.sessions,
+                                self._submit_reads)
         done = self._built(batch, queue)
         if done is not None and staging is None:
             self.finish(batch, done, deferred=False)  # sent tracked: its bytes count until sent
@@ -355,6 +356,16 @@ class DataOps:
         if done is not None:
             self.on_copy_done(*done)
 
+    def _submit_reads(self, batch: Batch, reads: SlotReads) -> None:
+        """Run one GET job of chunks held by slot (inline if small)."""
+        session = batch.session
+        batch.jobs_left += 1
+        session.in_flight += 1
+        done = self.engine.submit(reads.nbytes, partial(copy_jobs.copy_reads_out, session.staging,
+                                                        self.tier.arena, reads), (batch, reads))
+        if done is not None:
+            self.on_copy_done(*done)
+
     def on_copy_done(self, context: tuple[Batch, list], result: Any, error: BaseException | None):
         batch, job = context
         session = batch.session
@@ -384,7 +395,11 @@ class DataOps:
                 self._put_item_failed(batch, index, entry, error)
             return
         entries = [entry for _, entry, _ in job]
-        self.tier.commit_many(entries, digests)
+        # Without kv-events and without the chain's per-chunk hooks nothing uses the entries
+        # after their commit: they go back to compact form at once.
+        plain = (not self.events.enabled and not self.mover.links
+                 and type(self.mover.events) is ChainEvents)
+        self.tier.commit_many(entries, digests, fold=plain)
         if self.events.enabled:
             events, blocks = self.events, batch.blocks
             for index, entry, _ in job:
@@ -412,8 +427,16 @@ class DataOps:
             batch.fail(index, Status.NO_SESSION,
                        "the session ended before the copy completed; not stored")
 
-    def _get_job_done(self, batch: Batch, job: list, corrupt: Any,
+    def _get_job_done(self, batch: Batch, job: list | SlotReads, corrupt: Any,
                       error: BaseException | None) -> None:
+        if type(job) is SlotReads:
+            self.tier.release_slots(job.slots, job.pages)
+            if error is None:
+                self._bytes_out.inc(job.nbytes)
+            else:
+                for index in job.items:
+                    self._get_item_failed(batch, index, None, error)
+            return
         if error is None and not corrupt and not self.mover.links:  # all served, no admission
             self._bytes_out.inc(self.tier.release_read(list(map(itemgetter(1), job))))
             return
@@ -429,11 +452,12 @@ class DataOps:
                 self._get_item_failed(batch, index, entry, error)
         self._bytes_out.inc(served)
 
-    def _get_item_failed(self, batch: Batch, index: int, entry: ChunkEntry,
+    def _get_item_failed(self, batch: Batch, index: int, entry: ChunkEntry | None,
                          error: BaseException | None) -> None:
+        """``entry`` None: a read held by slot, whose copy failed (never a check)."""
         if batch.out_frames:
             batch.out_frames[index] = b""
-        if error is None:  # the chunk failed its first-read check
+        if error is None and entry is not None:  # the chunk failed its first-read check
             self.metrics.integrity_failures.labels("cpu").inc()
             log.error("chunk %r failed its checksum after a warm restart; dropped", entry.ikey)
             self.mover.drop_cpu(entry)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kvtierd.protocol import Status
-from kvtierd.server.batch import Batch, JobQueue
+from kvtierd.server.batch import Batch, JobQueue, SlotReads
 from kvtierd.server.sessions import SessionTable
 from kvtierd.tiers.cpu import CpuTier
 
@@ -51,8 +51,10 @@ def reserve_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item
 
 
 def get_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item],
-              sessions: SessionTable) -> None:
-    """Look up, acquire and queue checked GET items (a miss is answered in ``results``). An
+              sessions: SessionTable, submit_reads: Callable[[Batch, SlotReads], None]) -> None:
+    """Look up, acquire and queue checked GET items (a miss is answered in ``results``). A hit
+    the tier holds by slot goes into one ``SlotReads`` job per group (``submit_reads``); any other
+    hit (several runs, or to be verified on its first read) into ``queue`` as an entry. An
     item's lease is released just before its group is acquired: never a window in which a copy
     completing inline could let an eviction take a chunk that is neither leased nor acquired."""
     session = batch.session
@@ -63,14 +65,28 @@ def get_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item],
             for key in keys:
                 sessions.release_lease(session, (session.space, key))
         batch.ghost_keys.extend(keys)  # the read refreshes the key in the ghosts, hit or not
-        found = tier.acquire_many(session.space, keys, [item[3] for item in group],
-                                  session.fingerprint)
+        found, held, pages = tier.acquire_slots(session.space, keys, [item[3] for item in group],
+                                                session.fingerprint)
+        if len(held) == len(group):  # every item a hit held by slot: columns straight away
+            sizes = [item[3] for item in group]
+            submit_reads(batch, SlotReads([item[0] for item in group], held, found,
+                                          [item[2] for item in group], sizes, pages, sum(sizes)))
+            continue
+        reads = SlotReads([], held, [], [], [], pages, 0)
         job = []
         job_bytes = 0
-        for (i, _, offset, nbytes), entry in zip(group, found):
-            if type(entry) is int:
-                results[i] = entry
-            else:
-                job.append((i, entry, offset))
+        for (i, _, offset, nbytes), got in zip(group, found):
+            if type(got) is not int:
+                job.append((i, got, offset))
                 job_bytes += nbytes
+            elif got >= 0:
+                reads.items.append(i)
+                reads.src.append(got)
+                reads.dst.append(offset)
+                reads.sizes.append(nbytes)
+                reads.nbytes += nbytes
+            else:
+                results[i] = -got
+        if held:
+            submit_reads(batch, reads)
         queue.add_many(job, job_bytes)

@@ -132,10 +132,10 @@ class TierIndex:
         else:
             part = index.tenant_number(tenant)
             slots = self.policy.victims(part) if part >= 0 else iter(())
-        active, pages_of = index.active, index.pages_of
+        active, pages_of, reads = index.active, index.pages_of, index.reads
         for slot in slots:
             entry = active.get(slot)
-            if entry is not None and not entry.evictable:
+            if (entry is not None and not entry.evictable) or slot in reads:  # read by slot
                 continue
             victims.append(slot)
             freed += pages_of(slot)

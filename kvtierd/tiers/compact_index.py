@@ -62,6 +62,13 @@ class ChunkIndex:
         self.active: dict[int, ChunkEntry] = {}
         self._loose: set[int] = set()  # active slots that may have become idle
         self._count = 0
+        # Reads held by slot (``CpuTier.acquire_slots``): slot -> copies in flight that hold it
+        # without an entry object. Apart from any entry's ref_count; a held slot is never
+        # evicted, and one whose chunk leaves the index meanwhile is *retired* (slot -> the
+        # doomed entry that now carries those reads) instead of freed, so that no other chunk
+        # takes the slot before its last read is released (``release_retired``).
+        self.reads: dict[int, int] = {}
+        self.retired: dict[int, ChunkEntry] = {}
 
     # -- mapping, as callers outside the tiers use it ------------------------------------------------
     def __len__(self) -> int:
@@ -226,6 +233,16 @@ class ChunkIndex:
     def fp_column(self) -> array:
         """Interned fingerprint per slot (read-only; compare with ``fingerprint_id``)."""
         return self._fp
+
+    @property
+    def start_column(self) -> array:
+        """First page per slot (read-only; a MULTI slot's chunk has more runs)."""
+        return self._start
+
+    @property
+    def nbytes_column(self) -> array:
+        """Payload bytes per slot (read-only)."""
+        return self._nbytes
 
     @property
     def flags(self) -> bytearray:
@@ -405,24 +422,35 @@ class ChunkIndex:
         return found
 
     def discard(self, entry: ChunkEntry) -> None:
-        """Unindex ``entry`` (the indexed object); its slot is free for reuse."""
+        """Unindex ``entry`` (the indexed object); its slot is free for reuse, or retired while
+        reads hold it by slot (the caller has moved them onto the entry, which is doomed)."""
         slot = entry.slot
         assert slot >= 0 and self.active.get(slot) is entry, f"{entry.ikey!r} is not indexed"
         del self.active[slot]
         self._loose.discard(slot)
         entry.slot = -1
-        self._unindex(slot)
+        held = slot in self.reads  # copies still read it by slot: reused once they are done
+        self._unindex(slot, reuse=not held)
+        if held:
+            self.retired[slot] = entry
+
+    def release_retired(self, slot: int) -> None:
+        """The last read held by ``slot`` of a retired chunk is done: the slot is free."""
+        assert slot not in self.reads and not self._flags[slot], f"slot {slot} is still read"
+        del self.retired[slot]
+        self._free_slots.append(slot)
 
     def discard_slot(self, slot: int) -> list[Run]:
         """Unindex the compact chunk of ``slot`` (no entry object exists); returns its runs."""
         assert self._flags[slot] & USED and not self._flags[slot] & ACTIVE, (
             f"slot {slot} is free or active")
+        assert slot not in self.reads, f"slot {slot} is being read: remove it through its entry"
         runs = (self._multi[slot] if self._flags[slot] & MULTI
                 else [(self._start[slot], max(1, -(-self._nbytes[slot] // self.page_bytes)))])
         self._unindex(slot)
         return runs
 
-    def _unindex(self, slot: int) -> None:
+    def _unindex(self, slot: int, reuse: bool = True) -> None:
         space = self._space_list[self._space[slot]]
         assert space is not None
         del space.keys[self._keys[slot]]  # type: ignore[arg-type]
@@ -434,7 +462,8 @@ class ChunkIndex:
         self._keys[slot] = None
         self._flags[slot] = 0
         self._multi.pop(slot, None)
-        self._free_slots.append(slot)
+        if reuse:
+            self._free_slots.append(slot)
         self._count -= 1
 
     def set_runs(self, entry: ChunkEntry, runs: list[Run]) -> None:
@@ -454,6 +483,24 @@ class ChunkIndex:
         """``entry`` may have become idle: the next ``compact`` looks at it."""
         if entry.slot >= 0:
             self._loose.add(entry.slot)
+
+    def fold(self, entries: list[ChunkEntry]) -> None:
+        """``compact`` of entries just committed that nobody holds any more (a PUT job whose
+        entries nothing else wants: no kv-events, no tier below): READY, unreferenced and
+        unpinned by construction, folded now rather than looked at again next iteration."""
+        active, flags, sums, loose = self.active, self._flags, self._sum, self._loose
+        for entry in entries:
+            slot, checksum = entry.slot, entry.checksum
+            assert entry.state is _READY and not (entry.ref_count or entry.pin_count
+                                                  or entry.demoting or entry.on_nvme)
+            if len(checksum) != CHECKSUM_BYTES:
+                loose.add(slot)  # stays an entry (compact leaves it too)
+                continue
+            i = slot * CHECKSUM_BYTES
+            sums[i:i + CHECKSUM_BYTES] = checksum
+            flags[slot] = ((flags[slot] & (USED | MULTI)) | SUMMED
+                           | (VERIFIED if entry.verified else 0))
+            del active[slot]
 
     def compact(self) -> int:
         """Fold every loose, idle (READY, unreferenced, unpinned, not demoting) entry back into
@@ -502,5 +549,13 @@ class ChunkIndex:
                 f"slot {slot}: its checksum column is stale")
         actives = sum(1 for f in self._flags if f & ACTIVE)
         assert actives == len(self.active), "ACTIVE flags and active entries disagree"
-        assert len(self._free_slots) == len(self._keys) - self._count, "free slots drifted"
+        assert len(self._free_slots) + len(self.retired) == len(self._keys) - self._count, (
+            "free slots drifted")
+        for slot, count in self.reads.items():
+            assert count > 0 and (self._flags[slot] & USED or slot in self.retired), (
+                f"slot {slot}: {count} reads on a free slot")
+        for slot, entry in self.retired.items():
+            assert slot in self.reads and not self._flags[slot] and entry.doomed, (
+                f"retired slot {slot} drifted")
+            assert entry.ref_count >= self.reads[slot], f"retired slot {slot} lost its reads"
         assert all(not self._flags[s] for s in self._free_slots), "a free slot is still in use"

@@ -9,7 +9,8 @@ Primitives (all called from the daemon's request loop, never concurrently):
 * ``pin(entry)`` / ``unpin(entry)`` for leases
 * ``delete(ikey)``, ``enforce_watermarks()``, ``check_invariants()``
 * the same for a batch of one key space (``kvtierd.tiers.cpu_batch``): ``reserve_many``,
-  ``commit_many``, ``acquire_many``, ``release_read``, ``delete_many``
+  ``commit_many``, ``acquire_slots`` + ``release_slots`` (reads held by slot), ``release_read``,
+  ``delete_many``
 
 Per-tenant quotas (``quota_pages(tenant)``, 0 = none): a tenant's pages (pending included, chunks
 on their way to NVMe excluded) may not pass its quota. A reservation that would pass it evicts the
@@ -340,6 +341,9 @@ class CpuTier(CpuBatchOps, TierIndex):
         if self.on_remove is not None:
             self.on_remove(entry)  # kv-events hook
         self.policy.remove(entry.slot)
+        by_slot = self.index.reads.get(entry.slot)
+        if by_slot:  # copies read it by slot: their releases now go through this (doomed) entry
+            entry.ref_count += by_slot
         self.index.discard(entry)
         self.ready_chunks -= 1
         self.ready_pages -= entry.pages
@@ -444,6 +448,13 @@ class CpuTier(CpuBatchOps, TierIndex):
         for entry in self._doomed:
             assert entry.doomed and entry.ref_count > 0, "doomed entry without readers"
             owned.extend(entry.runs)
+        assert all(entry in self._doomed for entry in self.index.retired.values()), (
+            "a retired slot's entry is not doomed")
+        reads = self.index.reads  # a retired slot's reads are counted on its doomed entry
+        held = sum((entry.ref_count + reads.get(entry.slot, 0)) * entry.pages
+                   for entry in self.index.values())
+        held += sum(entry.ref_count * entry.pages for entry in self._doomed)
+        assert held == self.held_pages, f"held pages drifted: {self.held_pages}, held {held}"
         owned.extend(self.allocator.free_runs())
         owned.extend(self.set_aside_runs)
         owned.sort()

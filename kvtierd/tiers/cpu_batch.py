@@ -12,11 +12,12 @@ of calling its per-item primitive on every item in order; the unit tests compare
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import TYPE_CHECKING, Sequence
 
 from kvtierd.protocol import Status
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, pending_entry
-from kvtierd.tiers.compact_index import ACTIVE
+from kvtierd.tiers.compact_index import ACTIVE, MULTI, VERIFIED
 from kvtierd.tiers.index_db import IndexRow
 
 if TYPE_CHECKING:
@@ -79,6 +80,17 @@ class CpuBatchOps:
         index = self.index
         found = index.key_space(space)
         known = found.keys if found is not None else {}
+        rest = keys[pos:] if pos else keys
+        if len(set(rest)) == len(rest) and known.keys().isdisjoint(rest):
+            # Every key new and distinct (a fresh PUT batch): one entry per item, in C loops.
+            runs = self.allocator.allocate_many(pages, len(rest))
+            end = pos + len(runs)
+            entries = list(map(ChunkEntry, zip(repeat(space), rest[:len(runs)]),
+                               repeat(fingerprint), sizes[pos:end], [[run] for run in runs],
+                               repeat(owner)))  # pending_entry's fields, without its frame
+            out[pos:end] = zip(repeat(Status.OK), entries)
+            self._placed(space, fingerprint, entries, pages)
+            return end
         fresh: dict[bytes, int] = {}  # key -> position, for the items that need pages
         for i in range(pos, len(keys)):  # side-effect free: what each item will be
             key = keys[i]
@@ -99,18 +111,25 @@ class CpuBatchOps:
                                       owner)
                 entries.append(entry)
                 out[i] = (Status.OK, entry)
+        self._placed(space, fingerprint, entries, pages)
+        return end
+
+    def _placed(self: CpuTier, space: tuple, fingerprint: str, entries: list[ChunkEntry],
+                pages: int) -> None:
+        """Index new PENDING entries of ``pages`` pages each and count them."""
         if entries:
-            index.add_many(space, fingerprint, entries)
+            self.index.add_many(space, fingerprint, entries)
             placed = len(entries)
             self.pending_chunks += placed
             self.pending_pages += placed * pages
             self.tenant_pages[space[0]] += placed * pages
-        return end
 
-    def commit_many(self: CpuTier, entries: Sequence[ChunkEntry],
-                    checksums: Sequence[bytes]) -> None:
+    def commit_many(self: CpuTier, entries: list[ChunkEntry], checksums: Sequence[bytes],
+                    fold: bool = False) -> None:
         """``commit`` of each entry with its checksum, in order: one index transaction (durable
-        before any is READY, so before the PUT is answered) and the counters once."""
+        before any is READY, so before the PUT is answered) and the counters once. ``fold``:
+        the caller holds none of the entries after this call, so they go straight back to
+        compact form (``ChunkIndex.fold``) instead of waiting for the next ``compact``."""
         active = self.index.active
         for entry in entries:
             assert entry.state is _PENDING and active.get(entry.slot) is entry, (
@@ -130,7 +149,10 @@ class CpuBatchOps:
             if part is None:
                 part = parts[space] = self.part_of(entry.slot)
             insert(entry.slot, part)
-            loose(entry)
+            if not fold:
+                loose(entry)
+        if fold:
+            self.index.fold(entries)
         count = len(entries)
         self.pending_chunks -= count
         self.pending_pages -= pages
@@ -138,54 +160,105 @@ class CpuBatchOps:
         self.ready_pages += pages
         self.counters["commits"] += count
 
-    def acquire_many(self: CpuTier, space: tuple, keys: Sequence[bytes], sizes: Sequence[int],
-                     fingerprint: str) -> list[ChunkEntry | int]:
+    def acquire_slots(self: CpuTier, space: tuple, keys: Sequence[bytes], sizes: Sequence[int],
+                      fingerprint: str) -> tuple[list[ChunkEntry | int], list[int], int]:
         """``lookup((space, key), fingerprint)`` then, for a hit of the asked size, ``acquire``,
-        for each item in order: the acquired entry, or the item's status as an int (MISS,
-        LAYOUT_MISMATCH, SIZE_MISMATCH). Every hit is acquired before the call returns, so a copy
-        completing inline meanwhile cannot evict a chunk the caller is about to read. Hits are
-        touched (size mismatches too, as ``lookup`` touches them) in one policy call."""
+        for each item in order, for a reader that needs only byte ranges (a GET into shared
+        staging): a hit whose payload is one run and needs no first-read check is held by its
+        slot (``index.reads``), with no entry built, so nothing is folded back afterwards. Every
+        hit is held before the call returns, so a copy completing inline meanwhile cannot evict
+        a chunk the caller is about to read.
+
+        Returns per item the payload's arena byte offset (an int >= 0: held by slot), an
+        acquired entry (a chunk over several runs or one to verify on its first read: release it
+        with ``release_read``), or its status negated (-MISS, -LAYOUT_MISMATCH, -SIZE_MISMATCH);
+        then the held slots in item order and the pages they hold, for ``release_slots``. Hits
+        are touched (size mismatches too, as ``lookup`` touches them) in one policy call; a held
+        slot is never evicted, and a DELETE meanwhile dooms its chunk as it dooms an acquired
+        entry."""
         index = self.index
         found = index.key_space(space)
         if found is None:
-            return [_MISS] * len(keys)
-        get, active, fps = found.keys.get, index.active, index.fp_column
-        fp, activate = index.fingerprint_id(fingerprint), index.activate
+            return [-_MISS] * len(keys), [], 0
+        get, active, fps, flags = found.keys.get, index.active, index.fp_column, index.flags
+        starts, lengths, reads = index.start_column, index.nbytes_column, index.reads
+        fp, activate, page = index.fingerprint_id(fingerprint), index.activate, self.page_bytes
         out: list[ChunkEntry | int] = []
+        held: list[int] = []
         hits: list[int] = []
-        held = mismatches = 0
+        pages = entry_pages = mismatches = 0
         for key, nbytes in zip(keys, sizes):
             slot = get(key, -1)
             if slot < 0:
-                out.append(_MISS)
+                out.append(-_MISS)
                 continue
-            entry = active.get(slot)
-            if entry is None:  # compact: READY by construction
-                if fps[slot] != fp:
-                    out.append(_MISMATCH)
+            flag = flags[slot]
+            if flag & ACTIVE:
+                entry = active[slot]
+                if entry.state is not _READY:
+                    out.append(-_MISS)
+                    continue
+                if entry.fingerprint != fingerprint:
+                    out.append(-_MISMATCH)
                     mismatches += 1
                     continue
-                entry = activate(slot, (space, key), fingerprint)
-            elif entry.state is not _READY:
-                out.append(_MISS)
+                hits.append(slot)
+                if entry.nbytes != nbytes:
+                    out.append(-_SIZE)
+                elif entry.verified and len(entry.runs) == 1:
+                    reads[slot] = reads.get(slot, 0) + 1
+                    held.append(slot)
+                    pages += entry.pages
+                    out.append(starts[slot] * page)
+                else:
+                    entry.ref_count += 1
+                    entry_pages += entry.pages
+                    out.append(entry)
                 continue
-            elif entry.fingerprint != fingerprint:
-                out.append(_MISMATCH)
+            if fps[slot] != fp:  # compact: READY by construction
+                out.append(-_MISMATCH)
                 mismatches += 1
                 continue
             hits.append(slot)
-            if entry.nbytes != nbytes:
-                out.append(_SIZE)
-                continue
-            entry.ref_count += 1
-            held += entry.pages
-            out.append(entry)
-        self.held_pages += held
+            if lengths[slot] != nbytes:
+                out.append(-_SIZE)
+            elif flag & (MULTI | VERIFIED) == VERIFIED:
+                reads[slot] = reads.get(slot, 0) + 1
+                held.append(slot)
+                pages += -(-nbytes // page) or 1
+                out.append(starts[slot] * page)
+            else:
+                entry = activate(slot, (space, key), fingerprint)
+                entry.ref_count += 1
+                entry_pages += entry.pages
+                out.append(entry)
+        self.held_pages += pages + entry_pages
         if hits:
             self.policy.touch_many(hits, self.part_of_tenant(found.tenant))
         if mismatches:
             self.counters["layout_mismatch"] += mismatches
-        return out
+        return out, held, pages
+
+    def release_slots(self: CpuTier, slots: Sequence[int], pages: int) -> None:
+        """Release reads held by slot (``acquire_slots``): ``slots`` as it returned them,
+        ``pages`` the pages it said they hold. A slot whose chunk left the index meanwhile
+        releases its doomed entry (freed with its last reader) and, with its last read, the
+        slot itself."""
+        reads, retired = self.index.reads, self.index.retired
+        for slot in slots:
+            left = reads.pop(slot) - 1
+            if left:
+                reads[slot] = left
+            if retired:
+                entry = retired.get(slot)
+                if entry is not None:
+                    entry.ref_count -= 1
+                    if not entry.ref_count:
+                        self._doomed.discard(entry)
+                        self._free(entry)
+                    if not left:
+                        self.index.release_retired(slot)
+        self.held_pages -= pages
 
     def release_read(self: CpuTier, entries: Sequence[ChunkEntry]) -> int:
         """``release`` of each entry whose bytes were just served (so they passed any first-read
@@ -253,7 +326,8 @@ class CpuBatchOps:
         compact = pages = 0
         for slot in gone.values():
             entry = active.get(slot)
-            if entry is not None or self.on_remove is not None:  # an object, or a hook wants one
+            if entry is not None or self.on_remove is not None or slot in index.reads:
+                # an object, a hook that wants one, or copies reading it by slot (it is doomed)
                 self._remove(index.entry(slot) if entry is None else entry, row_deleted=True)
                 continue
             remove(slot)

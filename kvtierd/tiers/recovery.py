@@ -1,10 +1,10 @@
 """Re-indexing a tier from its crash-safe index rows at start (warm arena, NVMe).
 
 Fast enough for a node's index (target: 1M chunks to serving in <= 3 s): rows come from SQLite
-in batches of 16k (space and fingerprint as small ids, see ``index_db``) and each batch goes
-straight into the compact index's columns and the eviction policy in C-level passes (``zip``,
-``map``, ``join``, ``array.extend``), with no Python code and no object per row beyond the key
-bytes the index keeps. The pages rows name are marked in a one-byte-per-page map, which finds
+in batches of 16k, three columns each (space id, key, the packed fixed fields: ``index_format``),
+and each batch goes straight into the compact index's columns and the eviction policy in C-level
+passes (``zip``, ``map``, ``join``, ``array`` slices and ``extend``), with no Python code and no
+object per row beyond the key bytes the index keeps. The pages rows name are marked in a one-byte-per-page map, which finds
 overlaps in C and yields the free extents without sorting a million runs. Cyclic GC is off while
 loading: the batches' tuples hold no cycles, and gen-2 passes over a growing heap cost ~10 %.
 
@@ -21,7 +21,6 @@ import gc
 import itertools
 import operator
 import struct
-import sys
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,8 +30,11 @@ from kvtierd.eviction.base import EvictionPolicy
 from kvtierd.tiers.allocator import PageAllocator
 from kvtierd.tiers.compact_index import CHECKSUM_BYTES, ChunkIndex
 from kvtierd.tiers.index_db import ChunkIndexDB, Space, StoredKey, unpack_runs
+from kvtierd.tiers.index_format import COMMON_CHECKSUM, decode_common, same, unpack
 
 PROGRESS_EVERY = 100_000
+# The bulk path hands a batch's packed checksums to the index's checksum column as they are.
+assert COMMON_CHECKSUM == CHECKSUM_BYTES, (COMMON_CHECKSUM, CHECKSUM_BYTES)
 
 
 @dataclass
@@ -82,27 +84,25 @@ class _Loader:
         """Index one batch of rows at once, every step a C-level pass over a column (no Python
         code per row unless the batch mixes tenants). None: not this way (the caller goes row
         by row); False: overlapping rows."""
-        sids, keys, fids, sizes, sums, blobs = zip(*rows)
+        sids, keys, blobs = zip(*rows)
         n = len(keys)
+        columns = decode_common(blobs)
+        if columns is None:
+            return None
+        fids, sizes, starts, counts = columns.fp_ids, columns.nbytes, columns.starts, columns.counts
         space_ids, names = set(sids), self.spaces
-        if (sys.byteorder != "little" or set(map(len, blobs)) != {16}
-                or set(map(len, sums)) != {CHECKSUM_BYTES} or not space_ids <= names.keys()
-                or not set(fids) <= self.fingerprints.keys()):
+        fid_set = {fids[0]} if same(fids) else set(fids)
+        if not space_ids <= names.keys() or not fid_set <= self.fingerprints.keys():
             return None
-        try:
-            nbytes = array("Q", sizes)
-        except (OverflowError, TypeError):  # negative, too large or not an integer
-            return None
-        runs = array("Q", b"".join(blobs))  # (start, count) pairs, little-endian u64
-        starts, counts = runs[0::2], runs[1::2]
         page_bytes = self.index.page_bytes
-        distinct = (sizes[0],) if sizes.count(sizes[0]) == n else set(sizes)
-        pages_of = {size: max(1, -(-size // page_bytes)) for size in distinct}
+        pages_of = {size: max(1, -(-size // page_bytes))
+                    for size in ((sizes[0],) if same(sizes) else set(sizes))}
         page_counts = set(pages_of.values())
-        if (counts.count(page_counts.pop()) != n if len(page_counts) == 1
+        if (counts != array("Q", [page_counts.pop()]) * n if len(page_counts) == 1
                 else array("Q", map(pages_of.__getitem__, sizes)) != counts):
             return None
-        if max(counts) == 1:
+        if counts[0] == 1 and same(counts):
+            pages = n
             if max(starts) >= self.num_pages:
                 return None
             # Overlaps here show at the end: fewer pages marked than indexed (``_load``).
@@ -111,20 +111,21 @@ class _Loader:
         elif (max(map(operator.add, starts, counts)) > self.num_pages
               or not all(map(self.mark, starts, counts))):
             return None if not self.loaded.overlap else False
-        fps = ((self.fingerprints[fids[0]],) * n if fids.count(fids[0]) == n
+        else:
+            pages = sum(counts)
+        fps = ((self.fingerprints[fids[0]],) * n if len(fid_set) == 1
                else tuple(map(self.fingerprints.__getitem__, fids)))
-        checksums = b"".join(sums)
+        checksums = columns.checksums
         if len(space_ids) == 1:
             space = names[sids[0]]
-            first = self.index.extend_compact(space, keys, fps, nbytes, starts, checksums,
+            first = self.index.extend_compact(space, keys, fps, sizes, starts, checksums,
                                               verified=self.verified)
         else:
             spaces = list(map(names.__getitem__, sids))
-            first = self.index.extend_compact_rows(spaces, keys, fps, nbytes, starts, checksums,
+            first = self.index.extend_compact_rows(spaces, keys, fps, sizes, starts, checksums,
                                                    verified=self.verified)
         slots = range(first, first + n)
         tenants = {names[sid][0] for sid in space_ids}
-        pages = sum(counts)
         if len(tenants) == 1:
             self.policy.insert_many(slots, self.part_of(first))
             self.loaded.tenant_pages[tenants.pop()] += pages
@@ -136,14 +137,14 @@ class _Loader:
         self.loaded.pages += pages
         return True
 
-    def row(self, sid: int, key: bytes, fid: int, nbytes: int, checksum: bytes,
-            blob: bytes) -> bool:
+    def row(self, sid: int, key: bytes, packed: bytes) -> bool:
         """Index one row (the slow path); False: it overlaps another."""
-        space, fp = self.spaces.get(sid), self.fingerprints.get(fid)
         try:
+            fid, nbytes, checksum, blob = unpack(packed)
             runs = unpack_runs(blob)
-        except struct.error:
-            runs = []
+        except (ValueError, struct.error):  # struct.error: not whole (start, count) pairs
+            fid, nbytes, checksum, runs = -1, -1, b"", []
+        space, fp = self.spaces.get(sid), self.fingerprints.get(fid)
         pages = 0
         fits = bool(runs)
         for start, count in runs:

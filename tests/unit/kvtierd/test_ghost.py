@@ -191,3 +191,35 @@ def test_batch_feeds_leave_the_ghosts_exactly_as_per_key_feeds(max_keys):
             assert list(a.ghosts[scale]._order.items()) == list(b.ghosts[scale]._order.items())
     many.check_invariants()
     assert sum(len(g) for t in many.tiers for g in t.ghosts.values()) > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batch_insert_of_new_keys_evicts_as_per_key_inserts(seed):
+    """A PUT batch of new, distinct keys takes insert_many's bulk path (appended at once, then
+    the coldest evicted): the same order and pages as one insert at a time, overflowing or not,
+    and batches that do not qualify (a repeat, a known key, a key too large) take the per-key
+    path."""
+    rng = random.Random(seed)
+    space = ("uid:0", "ns", 1)
+    tiers = [("cpu", 50 * PAGE)]
+    one = GhostCaches(tiers, PAGE, max_keys=1 << 30)
+    many = GhostCaches(tiers, PAGE, max_keys=1 << 30)
+    fresh = 0
+    for step in range(30):
+        keys = [f"s{step}-{i}".encode() for i in range(rng.randint(1, 40))]
+        if rng.random() < 0.3:
+            keys.append(rng.choice(keys))  # a repeat in the batch
+        if rng.random() < 0.2 and step:
+            keys.append(f"s{step - 1}-0".encode())  # a key the ghost may hold
+        sizes = [rng.choice([1, PAGE, 2 * PAGE + 1, 7 * PAGE]) for _ in keys]
+        if rng.random() < 0.1:
+            sizes[-1] = 80 * PAGE  # larger than the ghost
+        for key, nbytes in zip(keys, sizes):
+            one.insert((space, key), nbytes)
+        many.insert_many(space, keys, sizes)
+        fresh += len(set(keys)) == len(keys)
+        for scale in one.tiers[0].ghosts:
+            assert (list(one.tiers[0].ghosts[scale]._order.items())
+                    == list(many.tiers[0].ghosts[scale]._order.items())), f"step {step}"
+    many.check_invariants()
+    assert fresh > 5

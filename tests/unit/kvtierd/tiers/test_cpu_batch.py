@@ -37,8 +37,10 @@ def state(tier: CpuTier) -> tuple:
     identity: one tier built them per item, the other per batch)."""
     tier.compact()
     tier.check_invariants()
-    chunks = sorted((ikey, e.state.value, e.nbytes, tuple(e.runs), e.checksum, e.ref_count,
-                     e.pin_count, e.verified) for ikey, e in tier.index.items())
+    reads = tier.index.reads  # reads held by slot count as the references they stand for
+    chunks = sorted((ikey, e.state.value, e.nbytes, tuple(e.runs), e.checksum,
+                     e.ref_count + reads.get(e.slot, 0), e.pin_count, e.verified)
+                    for ikey, e in tier.index.items())
     victims = [tier.index.entry(s).ikey for s in tier.policy.victims()]
     tier.compact()
     return (chunks, victims, tier.allocator.free_runs(), tier.pending_chunks, tier.ready_chunks,
@@ -69,10 +71,13 @@ def put_each(tier, space, keys, sizes, fp="fp"):
     return [s for s, _ in out]
 
 
-def put_batch(tier, space, keys, sizes, fp="fp"):
+def put_batch(tier, space, keys, sizes, fp="fp", fold=False):
     out = tier.reserve_many(space, keys, sizes, fp, owner=1)
     entries = [e for _, e in out if e is not None]
-    tier.commit_many(entries, fill(tier, entries))
+    tier.commit_many(entries, fill(tier, entries), fold=fold)
+    if fold:
+        assert not any(tier.index.holds(entry) for entry in entries)  # compact at once
+        tier.check_invariants()
     return [s for s, _ in out]
 
 
@@ -106,33 +111,141 @@ def random_batch(rng, prefix, n, sizes=(PAGE, 2 * PAGE, 3 * PAGE - 7)):
     return keys, [size if rng.random() < 0.9 else rng.choice(sizes) for _ in keys]
 
 
-@pytest.mark.parametrize("seed", range(6))
+class Reads:
+    """A GET's holds in both tiers: entries acquired item by item in one, what acquire_slots
+    held (slots, and entries for chunks it does not hold by slot) in the other."""
+
+    def __init__(self, each, batch, space, keys, sizes, fp):
+        self.each, self.batch = each, batch
+        self.got_each = get_each(each, space, keys, sizes, fp)
+        self.got_batch, self.slots, self.pages = batch.acquire_slots(space, keys, sizes, fp)
+        self.keys, self.sizes = keys, sizes
+
+    def outcomes(self):
+        each = [x if type(x) is int else "hit" for x in self.got_each]
+        batch = [-x if type(x) is int and x < 0 else "hit" for x in self.got_batch]
+        return each, batch
+
+    def check_bytes(self):
+        """The bytes under every hold are the ones put, in both tiers."""
+        for tier, got in ((self.each, self.got_each), (self.batch, self.got_batch)):
+            for key, nbytes, x in zip(self.keys, self.sizes, got):
+                if type(x) is int and (tier is self.each or x < 0):
+                    continue
+                segs = [(x, nbytes)] if type(x) is int else tier.segments(x)
+                data = b"".join(bytes(tier.arena.view[o:o + n]) for o, n in segs)
+                assert data == payload_of(key, nbytes)
+
+    def release(self):
+        for entry in self.got_each:
+            if type(entry) is not int:
+                self.each.release(entry)
+        entries = [x for x in self.got_batch if type(x) is not int]
+        self.batch.release_slots(self.slots, self.pages)
+        assert self.batch.release_read(entries) == sum(e.nbytes for e in entries)
+
+
+@pytest.mark.parametrize("seed", range(8))
 def test_batches_match_per_item_primitives(pair, seed):
+    """Random PUT / GET / DELETE batches; a GET's holds are kept over later steps at random
+    (deletes and evictions meet chunks held by slot) and released in a random order."""
     rng = random.Random(seed)
     each, batch = pair
-    for step in range(40):
+    holds: list[Reads] = []
+    for step in range(60):
         keys, sizes = random_batch(rng, f"k{step % 5}", rng.randint(1, 12))
         space = SPACE if rng.random() < 0.8 else OTHER
         fp = "fp" if rng.random() < 0.85 else "fp-other"
-        op = rng.choice(["put", "put", "get", "delete"])
+        op = rng.choice(["put", "put", "get", "get", "delete", "release"])
         if op == "put":
-            assert put_each(each, space, keys, sizes, fp) == put_batch(batch, space, keys, sizes, fp)
+            assert put_each(each, space, keys, sizes, fp) == put_batch(
+                batch, space, keys, sizes, fp, fold=seed % 2 == 0)
         elif op == "get":
-            a = get_each(each, space, keys, sizes, fp)
-            b = batch.acquire_many(space, keys, sizes, fp)
-            assert [x if type(x) is int else "hit" for x in a] == [
-                x if type(x) is int else "hit" for x in b]
-            hits_a = [e for e in a if type(e) is not int]
-            hits_b = [e for e in b if type(e) is not int]
-            for entry in hits_b:  # the bytes under each acquired entry are the ones put
-                data = b"".join(bytes(batch.arena.view[o:o + n]) for o, n in batch.segments(entry))
-                assert data == payload_of(entry.ikey[1], entry.nbytes)
-            for entry in hits_a:
-                each.release(entry)
-            assert batch.release_read(hits_b) == sum(e.nbytes for e in hits_b)
-        else:
+            reads = Reads(each, batch, space, keys, sizes, fp)
+            a, b = reads.outcomes()
+            assert a == b
+            reads.check_bytes()
+            holds.append(reads)
+            if rng.random() < 0.5 or len(holds) > 4:
+                holds.pop(rng.randrange(len(holds))).release()
+        elif op == "release" and holds:
+            holds.pop(rng.randrange(len(holds))).release()
+        elif op == "delete":
             assert delete_each(each, space, keys, fp) == batch.delete_many(space, keys, fp)
+        for reads in holds:  # whatever happened since, held bytes stay the ones put
+            reads.check_bytes()
         assert state(each) == state(batch), f"step {step} ({op}) diverged"
+    while holds:
+        holds.pop().release()
+    assert state(each) == state(batch)
+    assert not batch.index.reads and not batch.index.retired
+
+
+def test_acquire_slots_holds_entries_for_chunks_it_must_verify_or_spans_runs(pair):
+    """acquire_slots holds by slot only a one-run, verified chunk: an unverified one (a warm
+    restart's) and one over several runs come back as acquired entries."""
+    _, tier = pair
+    put_batch(tier, SPACE, [b"plain", b"unverified"], [PAGE, PAGE])
+    status, split = tier.reserve((SPACE, b"split"), "fp", 2 * PAGE, owner=1)
+    tier.commit(split, fill(tier, [split])[0])
+    tier.index.set_runs(split, [(split.runs[0][0], 1), (split.runs[0][0] + 1, 1)])
+    split.runs = [(split.runs[0][0], 1), (split.runs[0][0] + 1, 1)]  # as a fragmented arena has
+    tier.compact()
+    slot = tier.index.slot((SPACE, b"unverified"))
+    tier.index.entry(slot).verified = False
+    tier.compact()
+    got, held, pages = tier.acquire_slots(SPACE, [b"plain", b"unverified", b"split"],
+                                          [PAGE, PAGE, 2 * PAGE], "fp")
+    assert type(got[0]) is int and got[0] >= 0 and held == [tier.index.slot((SPACE, b"plain"))]
+    assert not got[1].verified and got[1].ref_count == 1
+    assert len(got[2].runs) == 2 and got[2].ref_count == 1
+    assert pages == 1 and tier.held_pages == 4
+    tier.check_invariants()
+    tier.release_slots(held, pages)
+    tier.release_read(got[1:])
+    assert tier.held_pages == 0 and not tier.index.reads
+    tier.check_invariants()
+
+
+def test_a_slot_read_during_delete_keeps_its_pages_and_its_slot(pair):
+    """DELETE of a chunk held by slot dooms it: its pages and its slot stay out of use (a new
+    chunk never takes the slot the copy releases) until the read is released."""
+    _, tier = pair
+    put_batch(tier, SPACE, [b"a", b"b"], [PAGE, 2 * PAGE])
+    got, held, pages = tier.acquire_slots(SPACE, [b"a", b"a", b"b"], [PAGE, PAGE, 2 * PAGE], "fp")
+    [slot_a, _, slot_b] = held
+    assert held[0] == held[1] and tier.index.reads == {slot_a: 2, slot_b: 1}
+    free_before = tier.allocator.free_pages
+    assert tier.delete_many(SPACE, [b"a"], "fp") == [0]
+    assert tier.delete((SPACE, b"b")) is Status.OK
+    assert tier.allocator.free_pages == free_before and set(tier.index.retired) == {slot_a, slot_b}
+    tier.check_invariants()
+    put_batch(tier, SPACE, [b"c", b"d"], [PAGE, PAGE])  # new slots, new pages
+    assert {tier.index.slot((SPACE, k)) for k in (b"c", b"d")}.isdisjoint({slot_a, slot_b})
+    assert bytes(tier.arena.view[got[0]:got[0] + PAGE]) == payload_of(b"a", PAGE)
+    assert bytes(tier.arena.view[got[2]:got[2] + 2 * PAGE]) == payload_of(b"b", 2 * PAGE)
+    tier.check_invariants()
+    tier.release_slots(held, pages)
+    assert not tier.index.retired and not tier.index.reads and tier.held_pages == 0
+    assert tier.allocator.free_pages == free_before + 1  # c and d took two of a's and b's three
+    tier.check_invariants()
+
+
+def test_eviction_passes_over_chunks_held_by_slot(pair):
+    """A full arena evicts around a chunk held by slot, as around an acquired entry."""
+    each, batch = pair
+    keys = [f"old-{i}".encode() for i in range(PAGES)]
+    for tier, put in ((each, put_each), (batch, put_batch)):
+        assert put(tier, SPACE, keys, [PAGE] * PAGES) == [Status.OK] * PAGES
+    reads = Reads(each, batch, SPACE, keys[:3], [PAGE] * 3, "fp")
+    Reads(each, batch, SPACE, keys[3:], [PAGE] * (PAGES - 3), "fp").release()  # held: coldest
+    new = [f"new-{i}".encode() for i in range(8)]
+    assert put_each(each, SPACE, new, [PAGE] * 8) == put_batch(batch, SPACE, new, [PAGE] * 8)
+    assert state(each) == state(batch)
+    assert all((SPACE, k) in batch.index for k in keys[:3])
+    reads.check_bytes()
+    reads.release()
+    assert state(each) == state(batch)
 
 
 def test_reserve_many_evicts_like_reserve_when_full(pair):
@@ -154,8 +267,8 @@ def test_reserve_many_evicts_like_reserve_when_full(pair):
 def test_delete_many_dooms_a_chunk_being_read(pair):
     _, tier = pair
     put_batch(tier, SPACE, [b"a", b"b"], [PAGE, PAGE])
-    [entry, _] = tier.acquire_many(SPACE, [b"a", b"b"], [PAGE, PAGE], "fp")
-    tier.release_read([_])
+    [entry, other] = get_each(tier, SPACE, [b"a", b"b"], [PAGE, PAGE])
+    tier.release_read([other])
     free_before = tier.allocator.free_pages
     assert tier.delete_many(SPACE, [b"a", b"b", b"a"], "fp") == [0, 0, int(Status.MISS)]
     assert entry.doomed and tier.allocator.free_pages == free_before + 1  # a's pages still held

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 import sqlite3
 import struct
@@ -11,9 +13,12 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
+from helpers.index_schema3 import write_schema_3
 
+from kvtierd.tiers import index_format
 from kvtierd.tiers.index_db import SCHEMA_VERSION, ChunkIndexDB, IndexRow, pack_runs, unpack_runs
 
 META = {"page_bytes": "4096", "nvme_bytes": "1048576"}
@@ -301,11 +306,11 @@ def test_schema_2_index_is_migrated_keeping_rows_and_their_order(path, caplog):
     with caplog.at_level(logging.INFO, logger="kvtierd.tiers.index_db"):
         db = ChunkIndexDB(path, META)
     assert db.reset_reason == ""
-    assert "migrated from schema 2 to 3 (30 rows)" in caplog.text
+    assert f"migrated from schema 2 to {SCHEMA_VERSION} (30 rows)" in caplog.text
     assert all_rows(db) == {r.ikey: r for r in rows}
     spaces, fps = db.space_names(), db.fingerprint_names()
-    stored = [(spaces[s], key, fps[f]) for batch in db.row_batches(batch=7)
-              for s, key, f, *_ in batch]
+    stored = [(spaces[s], key, fps[index_format.unpack(packed)[0]])
+              for batch in db.row_batches(batch=7) for s, key, packed in batch]
     order = rows[:5] + rows[6:] + [rows[5]]
     assert stored == [((r.tenant, r.namespace, r.rank), r.key, r.fingerprint) for r in order]
     assert len(spaces) == len({r.ikey[0] for r in rows}) and len(fps) == 4  # each stored once
@@ -320,8 +325,8 @@ def test_schema_2_index_is_migrated_keeping_rows_and_their_order(path, caplog):
 def test_schema_2_index_with_other_meta_is_reset_not_migrated(path):
     schema_2_file(path, [row(b"a")])
     db = ChunkIndexDB(path, {**META, "page_bytes": "8192"})
-    assert "page_bytes: '4096' -> '8192'" in db.reset_reason and "schema: '2' -> '3'" in (
-        db.reset_reason)
+    assert "page_bytes: '4096' -> '8192'" in db.reset_reason and (
+        f"schema: '2' -> '{SCHEMA_VERSION}'" in db.reset_reason)
     assert db.count() == 0
     db.insert([row(b"b")])
     assert [r.key for r in db.rows()] == [b"b"]
@@ -364,3 +369,92 @@ def test_index_files_are_0600_whatever_the_umask(path):
         assert path.stat().st_mode & 0o777 == 0o600
     finally:
         os.umask(before)
+
+
+# -- schema 3 -> 4 ---------------------------------------------------------------------------------
+
+DATA = Path(__file__).resolve().parents[3] / "data"
+
+
+def view_rows(path) -> list[tuple]:
+    """The ``chunks`` view as an operator's sqlite3 shell reads it (no function of ours)."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return sorted(conn.execute("SELECT tenant, namespace, rank, key, fingerprint, nbytes,"
+                                   " checksum, runs FROM chunks").fetchall())
+    finally:
+        conn.close()
+
+
+def stored_order(db: ChunkIndexDB) -> list[tuple]:
+    spaces = db.space_names()
+    return [(spaces[s], bytes(key)) for batch in db.row_batches(batch=7) for s, key, _ in batch]
+
+
+def test_schema_3_file_written_by_the_schema_3_code_is_migrated_with_every_row(tmp_path, caplog):
+    """tests/data/index_schema3.sqlite was written by schema 3's ChunkIndexDB itself (rows from
+    two transactions, one deleted, one rewritten last, a multi-run row, a row recovery drops)."""
+    expected = json.loads((DATA / "index_schema3.json").read_text())
+    path = tmp_path / "index.sqlite"
+    shutil.copyfile(DATA / "index_schema3.sqlite", path)
+    rows = [IndexRow(r["tenant"], r["namespace"], r["rank"], bytes.fromhex(r["key"]),
+                     r["fingerprint"], r["nbytes"], bytes.fromhex(r["checksum"]),
+                     [tuple(run) for run in r["runs"]]) for r in expected["rows"]]
+    with caplog.at_level(logging.INFO, logger="kvtierd.tiers.index_db"):
+        db = ChunkIndexDB(path, expected["meta"])
+    assert db.reset_reason == ""
+    assert f"migrated from schema 3 to {SCHEMA_VERSION} ({len(rows)} rows)" in caplog.text
+    assert list(db.rows()) == rows  # every field byte for byte, in the order written
+    assert stored_order(db) == [r.ikey for r in rows]
+    db.close()
+    assert view_rows(path) == sorted((r.tenant, r.namespace, r.rank, r.key, r.fingerprint,
+                                      r.nbytes, r.checksum, pack_runs(r.runs)) for r in rows)
+
+
+def test_schema_3_index_is_migrated_keeping_rows_order_and_the_chunks_view(path, caplog):
+    rows = [row(os.urandom(1 + i), [(i * 4, 1 + i % 3)] if i % 5 else [(i * 4, 1), (i * 4 + 2, 1)],
+                ns=f"ns{i % 2}", rank=i % 3, tenant=f"uid:{1000 + i % 2}", fp=f"fp{i % 4}")
+            for i in range(60)]
+    odd = IndexRow("uid:1000", "ns0", 0, b"odd", "fp0", 2**63 - 1, os.urandom(7), [])
+    rows[9] = IndexRow(*rows[9].ikey[0], rows[9].key, "fp1", 100, os.urandom(16), [(300, 1)])
+    order = rows[:9] + rows[10:] + [odd, rows[9]]  # row 9 rewritten last
+    write_schema_3(path, rows[:9] + [row(rows[9].key, [(301, 1)], ns=rows[9].namespace,
+                                         rank=rows[9].rank, tenant=rows[9].tenant)]
+                   + rows[10:] + [odd, rows[9]], META)
+    before = view_rows(path)
+    with caplog.at_level(logging.INFO, logger="kvtierd.tiers.index_db"):
+        db = ChunkIndexDB(path, META)
+    assert db.reset_reason == "" and "migrated from schema 3" in caplog.text
+    assert os.path.getsize(f"{path}-wal") == 0  # compacted: the WAL gave its space back
+    assert list(db.rows()) == order
+    assert stored_order(db) == [r.ikey for r in order]
+    db.close()
+    assert view_rows(path) == before  # the view reads as it did
+    conn = sqlite3.connect(path)
+    tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master")}
+    assert "entries_v3" not in tables and "packed" in {
+        c[1] for c in conn.execute("PRAGMA table_info(entries)")}
+    conn.close()
+    db = ChunkIndexDB(path, META)  # the migrated file opens as it is, and takes writes
+    assert db.reset_reason == "" and db.count() == len(order)
+    db.delete([order[0].ikey])
+    db.insert([row(b"new", [(500, 1)])])
+    assert db.count() == len(order)
+    db.close()
+
+
+def test_schema_3_file_with_tables_of_another_shape_is_reset_with_the_reason(path):
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
+    conn.executemany("INSERT INTO meta VALUES (?, ?)", {"schema": "3", **META}.items())
+    conn.execute("CREATE TABLE entries (space INTEGER, key BLOB)")  # damaged: no other column
+    conn.execute("INSERT INTO entries VALUES (1, x'01')")
+    conn.commit()
+    conn.close()
+    db = ChunkIndexDB(path, META)
+    assert "migration from schema 3 failed" in db.reset_reason, db.reset_reason
+    assert db.count() == 0
+    new = row(b"new")
+    db.insert([new])
+    assert all_rows(db) == {new.ikey: new}
+    db.close()

@@ -5,10 +5,13 @@ stored key, overlapping rows refused."""
 from __future__ import annotations
 
 import random
+import sqlite3
 
 import pytest
+from helpers.index_schema3 import write_schema_3
 
 from kvtierd.eviction.lru import LRUPolicy
+from kvtierd.tiers import index_format
 from kvtierd.tiers.allocator import PageAllocator
 from kvtierd.tiers.compact_index import ChunkIndex
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
@@ -88,8 +91,8 @@ def test_rows_naming_no_space_or_impossible_pages_are_dropped_by_stored_key(tmp_
                IndexRow("uid:1000", "ns", 0, b"negative-size", "fp0", -5, rng.randbytes(16),
                         [(200, 1)])])
     with db.lock:  # a row whose space id names no space (a hand-edited or damaged file)
-        db._db.execute("INSERT INTO entries VALUES (999, x'0102', 1, 10, ?, ?)",
-                       (rng.randbytes(16), bytes(16) + (1).to_bytes(8, "little")))
+        db._db.execute("INSERT INTO entries VALUES (999, x'0102', ?)", (index_format.pack(
+            1, 10, rng.randbytes(16), bytes(16) + (1).to_bytes(8, "little")),))
     index, _, loaded = load(db)
     index.check_invariants()
     assert set(index) == {r.ikey for r in good}
@@ -116,4 +119,39 @@ def test_overlapping_rows_in_one_batch_are_refused(tmp_path, single_pages):
                                [(twin.runs[0][0] + twin.runs[0][1] - 1, 1)])])
     _, _, loaded = load(db)
     assert loaded.allocator is None and loaded.overlap
+    db.close()
+
+
+def test_a_migrated_schema_3_index_loads_as_written_and_drops_the_rows_it_dropped(tmp_path):
+    """Rows the schema-3 recovery dropped (a negative size, runs that are not whole pairs, a
+    checksum an operator's hand edit made text) are carried over as they were and dropped by
+    stored key; every other chunk comes back with every field, in the order written."""
+    rng = random.Random(16)
+    path = tmp_path / "index"
+    rows = written(rng, 40)
+    negative = IndexRow("uid:1000", "ns", 0, b"negative-size", "fp0", -5, rng.randbytes(16),
+                        [(240, 1)])
+    write_schema_3(path, rows + [negative], META)
+    conn = sqlite3.connect(path)
+    conn.execute("INSERT INTO entries SELECT space, x'0badd1', fingerprint, nbytes, checksum,"
+                 " x'0102' FROM entries LIMIT 1")  # runs: two bytes, not a (start, count) pair
+    conn.execute("INSERT INTO entries SELECT space, x'7e47', fingerprint, nbytes, 'text', runs"
+                 " FROM entries WHERE rowid = 2")
+    conn.commit()
+    conn.close()
+    db = ChunkIndexDB(path, META)
+    assert db.reset_reason == ""
+    index, policy, loaded = load(db)
+    index.check_invariants()
+    sid = next(i for i, s in db.space_names().items() if s == ("uid:1000", "ns", 0))
+    assert sorted(k for _, k in loaded.bad) == sorted([b"negative-size", b"\x0b\xad\xd1", b"~G"])
+    assert all(s in db.space_names() for s, _ in loaded.bad) and (sid, b"negative-size") in (
+        loaded.bad)
+    assert [index.entry(slot).ikey for slot in policy.victims()] == [r.ikey for r in rows]
+    for r in rows:
+        e = index[r.ikey]
+        assert (e.fingerprint, e.nbytes, e.checksum, e.runs) == (
+            r.fingerprint, r.nbytes, r.checksum, r.runs)
+    db.delete_stored(loaded.bad)
+    assert db.count() == len(rows)
     db.close()
