@@ -25,7 +25,9 @@ All through real ``kvtierd serve`` processes (4 KiB pages, no metrics exporter),
 The NVMe tier needs ``--chunks`` pages of file (4 GiB at 1M): it goes in ``--nvme-root`` (default
 the results directory), or in /dev/shm when that disk is short, or at a smaller count when
 neither has room (the table says which). ``--quick`` runs tiny sizes (the smoke test): the output
-has the same shape, its numbers mean nothing. Results: a printed table and ``--json``.
+has the same shape, its numbers mean nothing. ``--only lookup`` runs only the LOOKUP rows (one
+untimed start on a ``--chunks`` index, no PUT path, restarts or NVMe) and prints the daemon's pid,
+e.g. for ``py-spy record -p PID``. Results: a printed table and ``--json``.
 """
 
 from __future__ import annotations
@@ -225,7 +227,8 @@ def room_pages(chunks: int) -> int:
     return chunks * 5 // 4 + 64
 
 
-def warm_arena(work: Path, chunks: int, repeat: int, lookup_s: float) -> dict:
+def warm_arena(work: Path, chunks: int, repeat: int, lookup_s: float,
+               lookup_only: bool = False) -> dict:
     name = f"kvtierd-bench-{uuid.uuid4().hex[:12]}"
     empty_name = f"{name}-empty"
     cpu = str(room_pages(chunks) * PAGE)  # below the high watermark: nothing is evicted
@@ -242,9 +245,14 @@ def warm_arena(work: Path, chunks: int, repeat: int, lookup_s: float) -> dict:
         indexed.stop()
         db_path = SHM / f"{name}.index"
         keys = fill_rows(db_path, meta, tenant_of(db_path, meta), chunks, 1, 1)
-        times, mem = restart_times(indexed, empty, repeat)
-        result = {"chunks": chunks, **times, "bytes_per_chunk": mem / chunks,
-                  "arenas": [name, empty_name]}  # removed at the end (the smoke test checks)
+        if lookup_only:  # one untimed start: the LOOKUP rows alone (e.g. while profiling)
+            indexed.start()
+            print(f"daemon pid {indexed.proc.pid} serving {chunks} chunks", flush=True)
+            result = {"chunks": chunks, "arenas": [name]}
+        else:
+            times, mem = restart_times(indexed, empty, repeat)
+            result = {"chunks": chunks, **times, "bytes_per_chunk": mem / chunks,
+                      "arenas": [name, empty_name]}  # removed at the end (the smoke test checks)
         if lookup_s > 0:
             result["lookup"] = {str(b): dict(zip(("keys_per_s", "ping_keys_per_s"),
                                                  lookup_rate(indexed.address, keys, b, lookup_s)))
@@ -314,11 +322,11 @@ def print_table(r: dict) -> None:
     """The rows of what ran (``--only`` runs a part)."""
     rows = []
     for name, what in (("put_path", "PUT path"), ("warm_arena", "warm arena"), ("nvme", "NVMe")):
-        if name in r:
+        if "bytes_per_chunk" in r.get(name, {}):
             rows.append((f"memory per chunk, {what}", f"{r[name]['bytes_per_chunk']:.0f} B",
                          f"{r[name]['chunks']} chunks", f"<= {TARGET_BYTES_PER_CHUNK} B"))
     for name, what in (("warm_arena", "warm arena"), ("nvme", "NVMe")):
-        if name in r:
+        if "restart_s" in r.get(name, {}):
             m = r[name]
             where = f" ({m['dir']})" if "dir" in m else ""
             rows += [(f"restart to serving, {what}", f"{m['restart_s']:.2f} s",
@@ -347,9 +355,10 @@ def main() -> int:
     ap.add_argument("--lookup-s", type=float, default=3.0, help="seconds per LOOKUP batch size")
     ap.add_argument("--nvme-root", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
-    ap.add_argument("--only", choices=("all", "restart", "warm", "nvme"), default="all",
+    ap.add_argument("--only", choices=("all", "restart", "warm", "nvme", "lookup"), default="all",
                     help="restart: only the two restart rows (no PUT-path memory, no LOOKUP); "
-                         "warm / nvme: only that restart row")
+                         "warm / nvme: only that restart row; lookup: only the LOOKUP rows "
+                         "(one start on a --chunks index; prints the daemon's pid)")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks/results/index_scale.json")
     args = ap.parse_args()
     if args.quick:
@@ -364,6 +373,9 @@ def main() -> int:
         if args.only in ("all", "restart", "warm"):
             result["warm_arena"] = warm_arena(work, args.chunks, args.repeat,
                                               args.lookup_s if args.only == "all" else 0.0)
+        if args.only == "lookup":
+            result["warm_arena"] = warm_arena(work, args.chunks, 1, args.lookup_s,
+                                              lookup_only=True)
         if args.only in ("all", "restart", "nvme"):
             result["nvme"] = nvme(work, args.nvme_root or results_dir, args.chunks, args.repeat)
     finally:

@@ -217,6 +217,8 @@ class GhostCaches:
                 TierGhosts(name, depth, base, capacity_bytes, page_bytes, scales, max_keys))
             self._depth[name] = depth
             base += capacity_bytes
+        # The largest sampling threshold: a batch is sampled against it once (access_uniform).
+        self._top_threshold = max((tier._threshold for tier in self.tiers), default=0)
 
     @staticmethod
     def key(ikey: Hashable) -> int:
@@ -251,22 +253,45 @@ class GhostCaches:
         n = len(keys)
         if not self.tiers or not n:
             return
-        hashed = list(map(xxhash.xxh3_64_intdigest, keys, repeat(_space_seed(*space), n)))
         first = hit_tiers[0]
-        uniform = hit_tiers.count(first) == n
-        real = self._depth.get(first, -1)  # type: ignore[arg-type]
+        if hit_tiers.count(first) == n:
+            self.access_uniform(space, keys, first)
+            return
+        hashed = list(map(xxhash.xxh3_64_intdigest, keys, repeat(_space_seed(*space), n)))
         for tier in self.tiers:
             threshold = tier._threshold
             mine = hashed if threshold > _SAMPLE_ALL else [h for h in hashed if h < threshold]
             if not mine:
                 continue
             tier.accesses += len(mine)
-            if uniform:
-                tier.hits[1] += len(mine) if 0 <= real <= tier.depth else 0
-            else:
-                faster = {name for name, d in self._depth.items() if d <= tier.depth}
-                tier.hits[1] += sum(1 for h, hit in zip(hashed, hit_tiers)
-                                    if h < threshold and hit in faster)
+            faster = {name for name, d in self._depth.items() if d <= tier.depth}
+            tier.hits[1] += sum(1 for h, hit in zip(hashed, hit_tiers)
+                                if h < threshold and hit in faster)
+            for scale, ghost in tier.ghosts.items():
+                tier.hits[scale] += ghost.access_many(mine)
+
+    def access_uniform(self, space: tuple[str, str, int], keys: Sequence[bytes],
+                       hit_tier: str | None) -> None:
+        """``access_many`` of a batch with one outcome for every key (all CPU hits, say): its
+        real hits are counted without looking at the keys, and the keys are hashed and sampled
+        in one pass against the largest threshold (no list of every hash); each tier then
+        samples from those few (the tiers' samples are nested: a key below a smaller
+        threshold is below the largest)."""
+        n = len(keys)
+        if not self.tiers or not n:
+            return
+        top = self._top_threshold
+        hashed = map(xxhash.xxh3_64_intdigest, keys, repeat(_space_seed(*space), n))
+        sampled = list(hashed) if top > _SAMPLE_ALL else [h for h in hashed if h < top]
+        real = self._depth.get(hit_tier, -1) if hit_tier is not None else -1
+        for tier in self.tiers:
+            threshold = tier._threshold
+            mine = sampled if threshold >= top else [h for h in sampled if h < threshold]
+            if not mine:
+                continue
+            tier.accesses += len(mine)
+            if 0 <= real <= tier.depth:
+                tier.hits[1] += len(mine)
             for scale, ghost in tier.ghosts.items():
                 tier.hits[scale] += ghost.access_many(mine)
 

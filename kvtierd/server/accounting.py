@@ -23,6 +23,15 @@ class Accounting:
     def __init__(self, metrics: DaemonMetrics) -> None:
         self.metrics = metrics
         self.counts: Counter[str] = Counter()
+        self._cpu_hits = metrics.hits.labels("cpu")  # a LOOKUP batch that hit the arena only
+
+    def lookup_cpu_hits(self, n: int) -> None:
+        """A LOOKUP batch whose ``n`` keys all hit the CPU tier (the common case): what
+        ``lookup_counts({Tier.CPU: n}, {})`` counts, without its label lookups."""
+        counts = self.counts
+        counts["lookup_hits"] += n
+        counts["lookup_hits_cpu"] += n
+        self._cpu_hits.inc(n)
 
     def lookup_hit(self, tier: Tier) -> None:
         self.counts["lookup_hits"] += 1

@@ -249,6 +249,14 @@ class OpHandlers:
                 raise
             raise ProtocolError(problem[0], problem[1]) from None
         n = len(slots)
+        if n and min(slots) >= 0:  # every key a CPU hit (the common case): no per-key pass
+            self.accounting.lookup_cpu_hits(n)
+            self.ghosts.access_uniform(session.space, keys, "cpu")
+            if lease:
+                entry, pin = cpu.index.entry, self.sessions.lease
+                for slot in slots:
+                    pin(session, entry(slot))
+            return {"tiers": [_CPU] * n}
         missed, mismatched = slots.count(MISS_SLOT), slots.count(MISMATCH_SLOT)
         if missed or mismatched:
             tiers = [_CPU if slot >= 0 else _NONE for slot in slots]

@@ -52,3 +52,22 @@ def test_index_scale_only_restart_runs_just_the_restart_rows(tmp_path):
     for part in ("warm_arena", "nvme"):
         assert len(result[part]["restart_runs_s"]) == 1 and result[part]["restart_sys_s"] >= 0
     assert "restart to serving, warm arena" in done.stdout and "LOOKUP" not in done.stdout
+
+
+def test_index_scale_only_lookup_reports_the_lookup_rows_alone(tmp_path):
+    out = tmp_path / "index_scale.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/index_scale.py"), "--quick", "--only", "lookup",
+         "--json", str(out)], capture_output=True, text=True, timeout=220, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert set(result) == {"quick", "cpus", "warm_arena"}
+    warm = result["warm_arena"]
+    assert warm["chunks"] == 3000 and "restart_s" not in warm
+    assert set(warm["lookup"]) == {"1", "64", "1024"}
+    for rates in warm["lookup"].values():
+        assert rates["keys_per_s"] > 0 and rates["ping_keys_per_s"] > 0
+    assert "LOOKUP keys/s, 1024-key batches" in done.stdout and "daemon pid" in done.stdout
+    assert "restart to serving" not in done.stdout and "memory per chunk" not in done.stdout
+    left = [p for name in warm["arenas"] for p in Path("/dev/shm").glob(f"{name}*")]
+    assert not left, f"the benchmark left its arenas: {left}"

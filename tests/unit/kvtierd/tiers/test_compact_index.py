@@ -201,6 +201,8 @@ def test_lookup_slots_check_sees_the_misses_and_can_refuse_before_any_touch(make
     assert seen[1] == [MISS_SLOT]
     slots = tier.lookup_slots(SPACE, [b"a", b"x", b"m"], "fp", seen.append)
     assert slots[1:] == [MISS_SLOT, MISMATCH_SLOT] and list(tier.victim_slots(10_000)[0]) != before
+    assert tier.lookup_slots(SPACE, [b"b", b"m"], "fp", refuse)[1] == MISMATCH_SLOT  # all
+    assert len(seen) == 3  # indexed: nothing to validate, ``check`` not called
     tier.check_invariants()
 
 
