@@ -1,10 +1,16 @@
-"""The small parts of ``kvtierd.tiers.compact_index``: a key space's key dict, and an interner.
+"""The small parts of ``kvtierd.tiers.compact_index``: its slot flags, a key space's key dict,
+and an interner.
 
 Both exist so that a million chunks cost ints, not objects: a chunk names its key space and its
 layout fingerprint by a small id, and its key bytes live in one dict per space.
 """
 
 from __future__ import annotations
+
+#: A slot's flags (``ChunkIndex._flags``).
+USED, ACTIVE, ON_NVME, VERIFIED, MULTI = 1, 2, 4, 8, 16
+SUMMED = 32  # the checksum column holds the chunk's checksum: folding it back need not write it
+CHECKSUM_BYTES = 16  # xxh3-128; an entry with another checksum length stays active
 
 
 class KeySpace:
