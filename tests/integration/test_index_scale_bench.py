@@ -15,13 +15,18 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-def test_index_scale_quick_runs_and_reports_every_row(tmp_path):
+def run_quick(tmp_path: Path, *flags: str) -> tuple[dict, str]:
+    """``index_scale.py --quick`` with ``flags``: its JSON and its printed table."""
     out = tmp_path / "index_scale.json"
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks/index_scale.py"), "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=220, cwd=REPO)
+        [sys.executable, str(REPO / "benchmarks/index_scale.py"), "--quick", *flags,
+         "--json", str(out)], capture_output=True, text=True, timeout=220, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text()), done.stdout
+
+
+def test_index_scale_quick_runs_and_reports_every_row(tmp_path):
+    result, stdout = run_quick(tmp_path)
     assert result["quick"] is True
     for part in ("put_path", "warm_arena", "nvme"):
         assert result[part]["chunks"] > 0 and result[part]["bytes_per_chunk"] > 0, result[part]
@@ -33,7 +38,7 @@ def test_index_scale_quick_runs_and_reports_every_row(tmp_path):
         assert rates["keys_per_s"] > 0 and rates["ping_keys_per_s"] > 0
     for row in ("memory per chunk, warm arena", "restart to serving, NVMe",
                 "LOOKUP keys/s, 1024-key batches"):
-        assert row in done.stdout
+        assert row in stdout
     # Its own names: other benchmarks may run beside this one.
     arenas = result["warm_arena"]["arenas"]
     assert len(arenas) == 2 and all(name.startswith("kvtierd-bench-") for name in arenas)
@@ -42,32 +47,22 @@ def test_index_scale_quick_runs_and_reports_every_row(tmp_path):
 
 
 def test_index_scale_only_restart_runs_just_the_restart_rows(tmp_path):
-    out = tmp_path / "index_scale.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks/index_scale.py"), "--quick", "--only", "restart",
-         "--json", str(out)], capture_output=True, text=True, timeout=220, cwd=REPO)
-    assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads(out.read_text())
+    result, stdout = run_quick(tmp_path, "--only", "restart")
     assert "put_path" not in result and "lookup" not in result["warm_arena"]
     for part in ("warm_arena", "nvme"):
         assert len(result[part]["restart_runs_s"]) == 1 and result[part]["restart_sys_s"] >= 0
-    assert "restart to serving, warm arena" in done.stdout and "LOOKUP" not in done.stdout
+    assert "restart to serving, warm arena" in stdout and "LOOKUP" not in stdout
 
 
 def test_index_scale_only_lookup_reports_the_lookup_rows_alone(tmp_path):
-    out = tmp_path / "index_scale.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks/index_scale.py"), "--quick", "--only", "lookup",
-         "--json", str(out)], capture_output=True, text=True, timeout=220, cwd=REPO)
-    assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads(out.read_text())
+    result, stdout = run_quick(tmp_path, "--only", "lookup")
     assert set(result) == {"quick", "cpus", "warm_arena"}
     warm = result["warm_arena"]
     assert warm["chunks"] == 3000 and "restart_s" not in warm
     assert set(warm["lookup"]) == {"1", "64", "1024"}
     for rates in warm["lookup"].values():
         assert rates["keys_per_s"] > 0 and rates["ping_keys_per_s"] > 0
-    assert "LOOKUP keys/s, 1024-key batches" in done.stdout and "daemon pid" in done.stdout
-    assert "restart to serving" not in done.stdout and "memory per chunk" not in done.stdout
+    assert "LOOKUP keys/s, 1024-key batches" in stdout and "daemon pid" in stdout
+    assert "restart to serving" not in stdout and "memory per chunk" not in stdout
     left = [p for name in warm["arenas"] for p in Path("/dev/shm").glob(f"{name}*")]
     assert not left, f"the benchmark left its arenas: {left}"

@@ -403,6 +403,21 @@ def test_a_cut_remote_fails_a_batch_of_promotions_as_misses_and_keeps_the_copies
     s.invariants()
 
 
+def remote_only(s: Stack, payloads: dict[bytes, bytes]) -> set[bytes]:
+    """Every chunk of ``payloads`` is on NVMe or the remote (none lost), and each one only on the
+    remote promotes back byte-exact (then leaves the arena, to make room); returns those keys."""
+    on_nvme = {k for k in payloads if s.nvme.peek((SPACE, k)) is not None}
+    on_remote = {k for k in payloads if s.remote.peek((SPACE, k)) is not None}
+    lost = set(payloads) - on_nvme - on_remote
+    assert not lost, f"chunks lost: {sorted(lost)}"
+    for key in sorted(on_remote - on_nvme):
+        ok, data = s.promote(key, len(payloads[key]))
+        assert ok and data == payloads[key], key
+        s.cpu.delete((SPACE, key))  # room for the next one
+    s.invariants()
+    return on_remote - on_nvme
+
+
 def test_what_nvme_evicts_cascades_to_an_on_evict_remote(make):
     """With the remote on-evict, a chunk leaving NVMe (full) is not lost: it is read into the
     arena's bounce slice (verified), written to the remote, and NVMe's pages come free after.
@@ -418,17 +433,11 @@ def test_what_nvme_evicts_cascades_to_an_on_evict_remote(make):
     assert s.nvme.counters["evictions"] > 0
     assert s.metric("kvtierd_bytes_total", direction="cascade", tier="remote") > 0
     assert s.chain.bounce.allocator.free_pages == 8, "bounce pages not given back"
-    on_nvme = {k for k in payloads if s.nvme.peek((SPACE, k)) is not None}
     on_remote = {k for k in payloads if s.remote.peek((SPACE, k)) is not None}
-    assert on_nvme | on_remote == set(payloads), "a chunk NVMe evicted was lost"
     cascaded = {k for k in on_remote if ("dropped", "nvme", k) in s.events.log}
     assert cascaded and all(("stored", "remote", k) in s.events.log for k in cascaded)
     assert on_remote - cascaded, "no chunk went to the remote while NVMe's victims were held"
-    for key in sorted(on_remote - on_nvme):
-        ok, data = s.promote(key, len(payloads[key]))
-        assert ok and data == payloads[key], key
-        s.cpu.delete((SPACE, key))  # room for the next one
-    s.invariants()
+    remote_only(s, payloads)
 
 
 def test_victims_wait_for_the_bounce_pages_instead_of_being_dropped(make):
@@ -447,14 +456,7 @@ def test_victims_wait_for_the_bounce_pages_instead_of_being_dropped(make):
     assert s.nvme.counters["evictions_deferred"] > 0
     assert s.metric("kvtierd_bytes_total", direction="cascade", tier="remote") > 0
     assert s.chain.bounce.allocator.free_pages == 3, "bounce pages not given back"
-    on_nvme = {k for k in payloads if s.nvme.peek((SPACE, k)) is not None}
-    on_remote = {k for k in payloads if s.remote.peek((SPACE, k)) is not None}
-    assert on_nvme | on_remote == set(payloads), sorted(set(payloads) - on_nvme - on_remote)
-    for key in sorted(on_remote - on_nvme):
-        ok, data = s.promote(key, len(payloads[key]))
-        assert ok and data == payloads[key], key
-        s.cpu.delete((SPACE, key))
-    s.invariants()
+    remote_only(s, payloads)
 
 
 def test_a_victim_larger_than_the_bounce_pages_is_dropped_not_kept(make):
