@@ -440,10 +440,13 @@ class TierChain:
             held = sum(n for link in self.links for c in link.cascades for _, n in c.bounce)
             assert held <= self.bounce.pages - self.bounce.allocator.free_pages, "bounce pages lost"
 
-    def close(self) -> None:
-        """Close the tiers' own pools (waiting for their jobs), then the tiers."""
+    def close(self, snapshot: bool = False) -> None:
+        """Close the tiers' own pools (waiting for their jobs), then the tiers; ``snapshot``
+        (a clean stop, every job drained): each tier first writes its index snapshot."""
         for engine in self._own_engines:
             engine.close()
         self._own_engines.clear()
         for tier in self.lower:
+            if snapshot:
+                tier.save_snapshot()
             tier.close()

@@ -192,6 +192,7 @@ class Daemon:
             Op.CHECK: self.handlers.check,
         }
         self._stop = threading.Event()
+        self._clean_stop = False
         self.probes = ProbeSchedule()
 
     def _wire_events(self) -> None:
@@ -240,6 +241,7 @@ class Daemon:
                 on_ready()
             with rare_collections():  # kvtierd.server.gc_tuning: why
                 self._loop()
+            self._clean_stop = True  # asked to stop, not ended by an error: snapshots are safe
         finally:
             self._shutdown()
         lost = cuda_health.lost()
@@ -391,7 +393,7 @@ class Daemon:
         self.sessions.close_all("daemon stopping")
         self.engine.close()
         self.io_engine.close()
-        self.mover.close()
+        self.mover.close(snapshot=self._clean_stop)
         if self.events.enabled and self._event_snapshot_path() is not None:
             event_snapshot.save(self._event_snapshot_path(), self.events.announcements())
         self.events.cleared()  # kv-events hook: what it announced goes with it (or is unknown)
@@ -399,6 +401,8 @@ class Daemon:
         self._close_sockets()
         self.metrics.close()
         if self.tier.db is not None:
+            if self._clean_stop:
+                self.tier.save_snapshot()
             self.tier.db.close()
         self.pinner.close()  # unregistered before the arena is unmapped
         self.arena.close(unlink=not self.cfg.cpu_persistent)

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 ARENA_PREFIX = "kvtierd-"
 # A persistent arena's SQLite index and its WAL/journal files: never arenas themselves.
-INDEX_SUFFIXES = (".index", ".index-wal", ".index-shm", ".index-journal")
+INDEX_SUFFIXES = (".index", ".index-wal", ".index-shm", ".index-journal", ".index.snapshot",
+                  ".index.snapshot.tmp")
 LOCK_WAIT_S = 1.0  # a reclaiming daemon holds a stale arena's lock for a moment only
 CAP_IPC_LOCK = 14
 

@@ -35,8 +35,8 @@ from kvtierd.tiers.base import TierIndex
 from kvtierd.tiers.cpu_batch import CpuBatchOps
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, pending_entry, segments, tenant_of
 from kvtierd.tiers.compact_index import ACTIVE, ChunkIndex
+from kvtierd.tiers import index_restore
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
-from kvtierd.tiers.recovery import load_rows
 
 log = logging.getLogger(__name__)
 
@@ -259,14 +259,11 @@ class CpuTier(CpuBatchOps, TierIndex):
         if not attached or db.reset_reason:
             db.clear()
             return 0
-        loaded = load_rows(db, self.index, self.policy, self.part_of, self.num_pages,
-                           verified=False)
+        loaded, _ = index_restore.restore(self, db, verified=False, reset=self._fresh_index)
         if loaded.allocator is None:
             log.error("arena index names overlapping pages (%s); starting cold", loaded.overlap)
             db.clear()
-            self.index.clear()
-            self._parts.clear()
-            self.policy = make_policy(self.policy_name)
+            self._fresh_index()
             return 0
         self.allocator = loaded.allocator
         if loaded.bad:
@@ -276,6 +273,22 @@ class CpuTier(CpuBatchOps, TierIndex):
         self.ready_chunks = len(self.index)
         self.ready_pages = loaded.pages
         return len(self.index)
+
+    def _fresh_index(self) -> None:
+        self.index.clear()
+        self._parts.clear()
+        self.policy = make_policy(self.policy_name)
+
+    def save_snapshot(self) -> bool:
+        """At a clean stop (every copy drained): write the index's snapshot for the next warm
+        start (``index_restore``); False when there is no index or the tier is not idle."""
+        if self.db is None:
+            return False
+        busy = ", ".join(f"{n} {what}" for n, what in (
+            (self.pending_chunks, "chunks pending"), (self.demoting_pages, "pages demoting"),
+            (self.held_pages, "pages being read"), (len(self._doomed), "chunks on their way out"))
+            if n)
+        return index_restore.save(self, self.db, busy)
 
     def mark_on_nvme(self, below: ChunkIndex) -> int:
         """Warm restart beside an NVMe tier: flag the chunks whose NVMe copy (same key, same

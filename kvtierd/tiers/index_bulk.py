@@ -101,3 +101,66 @@ class BulkLoad:
         self._space.extend(array("I", map(ids.__getitem__, spaces)))
         self._extend_columns(keys, fingerprints, sizes, starts, checksums, verified)
         return first
+
+    # -- snapshots (``kvtierd.tiers.index_snapshot``) ------------------------------------------------
+    def export_columns(self, order: list[int]) -> dict:
+        """The idle chunks of ``order`` (slots, coldest first: every indexed chunk, none active)
+        as columns in that order, for a snapshot: item i of each describes the chunk that will
+        be slot i after ``import_columns``. Spaces and fingerprints are renumbered from 0."""
+        assert len(order) == self._count and not self.active, "only an idle index is exported"
+        space_ids = {sid: i for i, sid in enumerate(dict.fromkeys(map(self._space.__getitem__,
+                                                                       order)))}
+        fp_ids = {fid: i for i, fid in enumerate(dict.fromkeys(map(self._fp.__getitem__, order)))}
+        spaces = [self._space_list[sid] for sid in space_ids]
+        keys = list(map(self._keys.__getitem__, order))
+        new_space = array("I", map(space_ids.__getitem__, map(self._space.__getitem__, order)))
+        key_dicts: list[dict[bytes, int]] = [{} for _ in spaces]
+        for slot, (key, i) in enumerate(zip(keys, new_space)):
+            key_dicts[i][key] = slot
+        sums = self._sum
+        multi = {new: list(self._multi[old]) for new, old in enumerate(order)
+                 if self._flags[old] & MULTI}
+        return {
+            "spaces": [space.space for space in spaces],  # type: ignore[union-attr]
+            "fingerprints": [self._fps.values[fid] for fid in fp_ids],
+            "space": new_space,
+            "fp": array("I", map(fp_ids.__getitem__, map(self._fp.__getitem__, order))),
+            "nbytes": array("Q", map(self._nbytes.__getitem__, order)),
+            "start": array("Q", map(self._start.__getitem__, order)),
+            "sums": b"".join(sums[slot * CHECKSUM_BYTES:(slot + 1) * CHECKSUM_BYTES]
+                             for slot in order),
+            "keys": keys,
+            "key_dicts": key_dicts,
+            "multi": multi,
+        }
+
+    def import_columns(self, columns: dict, *, verified: bool) -> None:
+        """Fill an empty index with ``export_columns``' output: slot i is its item i, every
+        chunk idle READY, flags as recovery sets them (``verified`` per tier, no ON_NVME)."""
+        assert not self._count and not self._keys, "a snapshot is loaded into an empty index"
+        n = len(columns["keys"])
+        sids = [self._new_space(tuple(space)).id for space in columns["spaces"]]
+        for sid, keys in zip(sids, columns["key_dicts"]):
+            space = self._space_list[sid]
+            assert space is not None
+            space.keys = keys
+        space_col = columns["space"]
+        if sids != list(range(len(sids))):  # a fresh index numbers them from 0: never remapped
+            space_col = array("I", map(sids.__getitem__, space_col))
+        fps = columns["fingerprints"]
+        fp_col = columns["fp"]
+        counts = ([n] if len(fps) == 1 else
+                  [count for _, count in sorted(collections.Counter(fp_col).items())])
+        fids = [self._fps.take_many(fp, count) for fp, count in zip(fps, counts)]
+        if fids != list(range(len(fids))):
+            fp_col = array("I", map(fids.__getitem__, fp_col))
+        self._space, self._fp = space_col, fp_col
+        self._nbytes, self._start = columns["nbytes"], columns["start"]
+        self._sum = bytearray(columns["sums"])
+        self._keys = columns["keys"]
+        self._flags = bytearray([USED | SUMMED | (VERIFIED if verified else 0)]) * n
+        self._multi = {slot: [tuple(run) for run in runs]
+                       for slot, runs in columns["multi"].items()}
+        for slot in self._multi:
+            self._flags[slot] |= MULTI
+        self._count = n

@@ -60,6 +60,7 @@ FILE_MODE = 0o600
 # SQLite's page cache while migrating, at most (pages are taken as needed: ~260 MB per 1M rows).
 MIGRATE_CACHE_KIB = 1 << 20
 SIDE_FILES = ("-wal", "-shm")  # SQLite's WAL files next to the database
+SNAPSHOT_KEY = "snapshot_token"  # meta: the token of the snapshot that stands for the rows
 
 IKey = tuple[tuple[str, str, int], bytes]  # ((tenant, namespace, rank), key)
 StoredKey = tuple[int, bytes]  # (space id, key): a row as stored (recovery deletes rows by it)
@@ -166,7 +167,11 @@ class ChunkIndexDB:
         self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
         wanted = {"schema": str(SCHEMA_VERSION), **meta}
+        self.meta = wanted  # what a snapshot of this index must have been taken under
         stored = dict(self._db.execute("SELECT k, v FROM meta").fetchall())
+        # A clean stop's snapshot token (``index_restore``): not part of what must match, and
+        # cleared by the first write of this connection (or by the reset or migration below).
+        self.snapshot_token = stored.pop(SNAPSHOT_KEY, "")
         if stored != wanted:
             schema = stored.get("schema", "")
             if schema in MIGRATES_FROM and {**stored, "schema": wanted["schema"]} == wanted:
@@ -245,12 +250,34 @@ class ChunkIndexDB:
         with self.lock:
             self._db.execute("BEGIN")
             try:
+                if self.snapshot_token:  # rows change: no snapshot may stand for them any more
+                    self._db.execute("DELETE FROM meta WHERE k = ?", (SNAPSHOT_KEY,))
                 yield self._db
                 self._db.execute("COMMIT")  # a failing COMMIT (disk full) rolls back too
+                self.snapshot_token = ""
             except BaseException:
                 if self._db.in_transaction:  # SQLite may have rolled back already
                     self._db.execute("ROLLBACK")
                 raise
+
+    def store_snapshot_token(self, token: str) -> None:
+        """Name the snapshot just written (``index_restore.save``) in meta, committed: from now
+        until the next write it stands for the rows."""
+        with self.lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (SNAPSHOT_KEY, token))
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+            self.snapshot_token = token
+
+    def forget_snapshot(self) -> None:
+        """Delete the snapshot token (committed): no snapshot stands for the rows any more."""
+        with self._transaction():
+            pass
 
     def count(self) -> int:
         with self.lock:

@@ -293,5 +293,10 @@ class LowerTier(ABC):
     @abstractmethod
     def check_invariants(self) -> None: ...
 
+    def save_snapshot(self) -> bool:
+        """At a clean stop, before ``close``: save what makes the next start fast (the NVMe
+        tier's index snapshot); False when there is nothing to save."""
+        return False
+
     @abstractmethod
     def close(self) -> None: ...

@@ -29,8 +29,8 @@ from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.base import TierIndex
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
 from kvtierd.tiers.compact_index import ChunkIndex
+from kvtierd.tiers import index_restore
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
-from kvtierd.tiers.recovery import load_rows
 from kvtierd.tiers.nvme_file import (
     DataFile,
     FaultInjector,
@@ -125,14 +125,13 @@ class NvmeTier(TierIndex):
             log.info("%s", msg)
             status(msg)
 
-        loaded = load_rows(self.db, self.index, self.policy, self.part_of, self.num_pages,
-                           verified=True, progress=progress)
+        loaded, source = index_restore.restore(self, self.db, verified=True,
+                                               reset=self._fresh_index, progress=progress)
         if loaded.allocator is None:  # overlapping rows: the index cannot be trusted
             log.error("NVMe index names overlapping pages (%s); dropping all its chunks",
                       loaded.overlap)
             self.db.clear()
-            self.index = ChunkIndex(self.page_bytes)
-            self.policy = make_policy(self.policy_name)
+            self._fresh_index()
             self.allocator = PageAllocator(self.num_pages)
         else:
             self.allocator = loaded.allocator
@@ -142,8 +141,22 @@ class NvmeTier(TierIndex):
                 self.db.delete_stored(loaded.bad)
                 log.warning("dropped %d NVMe index rows that named impossible pages",
                             len(loaded.bad))
-        log.info("NVMe tier %s: %d chunks recovered in %.2f s (O_DIRECT=%s)", self.directory,
-                 len(self.index), time.monotonic() - started, self.direct_io)
+        log.info("NVMe tier %s: %d chunks recovered from %s in %.2f s (O_DIRECT=%s)",
+                 self.directory, len(self.index), source, time.monotonic() - started,
+                 self.direct_io)
+
+    def _fresh_index(self) -> None:
+        self.index = ChunkIndex(self.page_bytes)
+        self.policy = make_policy(self.policy_name)
+
+    def save_snapshot(self) -> bool:
+        """At a clean stop (every job drained): write the index's snapshot for the next start
+        (``index_restore``); False when the tier is not idle."""
+        busy = ", ".join(f"{n} {what}" for n, what in (
+            (len(self._to_free), "chunks whose rows are still to delete"),
+            (self.pending_free_pages, "pages to free"),
+            (len(self._doomed), "chunks on their way out")) if n)
+        return index_restore.save(self, self.db, busy)
 
     # -- sizes -------------------------------------------------------------------------------------
     @property
