@@ -282,13 +282,9 @@ class CpuTier(CpuBatchOps, TierIndex):
     def save_snapshot(self) -> bool:
         """At a clean stop (every copy drained): write the index's snapshot for the next warm
         start (``index_restore``); False when there is no index or the tier is not idle."""
-        if self.db is None:
-            return False
-        busy = ", ".join(f"{n} {what}" for n, what in (
-            (self.pending_chunks, "chunks pending"), (self.demoting_pages, "pages demoting"),
-            (self.held_pages, "pages being read"), (len(self._doomed), "chunks on their way out"))
-            if n)
-        return index_restore.save(self, self.db, busy)
+        return self.db is not None and index_restore.save(self, self.db, index_restore.busy(
+            pending_chunks=self.pending_chunks, demoting_pages=self.demoting_pages,
+            pages_being_read=self.held_pages, chunks_on_their_way_out=len(self._doomed)))
 
     def mark_on_nvme(self, below: ChunkIndex) -> int:
         """Warm restart beside an NVMe tier: flag the chunks whose NVMe copy (same key, same

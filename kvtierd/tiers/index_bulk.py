@@ -102,14 +102,14 @@ class BulkLoad:
         self._extend_columns(keys, fingerprints, sizes, starts, checksums, verified)
         return first
 
-    # -- snapshots (``kvtierd.tiers.index_snapshot``) ------------------------------------------------
+    # -- snapshots (``kvtierd.tiers.index_snapshot``) ----------------------------------------------
     def export_columns(self, order: list[int]) -> dict:
         """The idle chunks of ``order`` (slots, coldest first: every indexed chunk, none active)
         as columns in that order, for a snapshot: item i of each describes the chunk that will
         be slot i after ``import_columns``. Spaces and fingerprints are renumbered from 0."""
         assert len(order) == self._count and not self.active, "only an idle index is exported"
-        space_ids = {sid: i for i, sid in enumerate(dict.fromkeys(map(self._space.__getitem__,
-                                                                       order)))}
+        used_spaces = dict.fromkeys(map(self._space.__getitem__, order))
+        space_ids = {sid: i for i, sid in enumerate(used_spaces)}
         fp_ids = {fid: i for i, fid in enumerate(dict.fromkeys(map(self._fp.__getitem__, order)))}
         spaces = [self._space_list[sid] for sid in space_ids]
         keys = list(map(self._keys.__getitem__, order))

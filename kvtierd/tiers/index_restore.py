@@ -137,6 +137,11 @@ def save(tier: TierIndex, db: ChunkIndexDB, busy: str = "") -> bool:
     return True
 
 
+def busy(**counts: int) -> str:
+    """Why a tier is not idle, from its own counts (``save``'s ``busy``): "" when all are 0."""
+    return ", ".join(f"{n} {what.replace('_', ' ')}" for what, n in counts.items() if n)
+
+
 def _pages(columns: dict, num_pages: int, page_bytes: int
            ) -> tuple[bytearray, int, dict[str, int]]:
     """The page map (1 = used) of the exported chunks, their pages and pages per tenant."""

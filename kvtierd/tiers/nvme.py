@@ -152,11 +152,9 @@ class NvmeTier(TierIndex):
     def save_snapshot(self) -> bool:
         """At a clean stop (every job drained): write the index's snapshot for the next start
         (``index_restore``); False when the tier is not idle."""
-        busy = ", ".join(f"{n} {what}" for n, what in (
-            (len(self._to_free), "chunks whose rows are still to delete"),
-            (self.pending_free_pages, "pages to free"),
-            (len(self._doomed), "chunks on their way out")) if n)
-        return index_restore.save(self, self.db, busy)
+        return index_restore.save(self, self.db, index_restore.busy(
+            chunks_whose_rows_are_to_delete=len(self._to_free),
+            pages_to_free=self.pending_free_pages, chunks_on_their_way_out=len(self._doomed)))
 
     # -- sizes -------------------------------------------------------------------------------------
     @property
