@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 ARENA_PREFIX = "kvtierd-"
 # A persistent arena's SQLite index and its WAL/journal files: never arenas themselves.
-INDEX_SUFFIXES = (".index", ".index-wal", ".index-shm", ".index-journal", ".index.snapshot",
-                  ".index.snapshot.tmp")
+# Its snapshot (``index_snapshot.path_for``) ends in ".index" too, so older daemons keep it.
+INDEX_SUFFIXES = (".index", ".index-wal", ".index-shm", ".index-journal", ".snapshot.index",
+                  ".snapshot-tmp.index")
 LOCK_WAIT_S = 1.0  # a reclaiming daemon holds a stale arena's lock for a moment only
 CAP_IPC_LOCK = 14
 

@@ -257,6 +257,7 @@ class CpuTier(CpuBatchOps, TierIndex):
         self.db = db
         assert not self.set_aside_runs, "pages are set aside after recovery, never before"
         if not attached or db.reset_reason:
+            index_restore.forget(db)  # a snapshot of what this start drops stands for nothing
             db.clear()
             return 0
         loaded, _ = index_restore.restore(self, db, verified=False, reset=self._fresh_index)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 from array import array
+from itertools import compress
 
 from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
@@ -106,29 +107,41 @@ class BulkLoad:
     def export_columns(self, order: list[int]) -> dict:
         """The idle chunks of ``order`` (slots, coldest first: every indexed chunk, none active)
         as columns in that order, for a snapshot: item i of each describes the chunk that will
-        be slot i after ``import_columns``. Spaces and fingerprints are renumbered from 0."""
+        be slot i after ``import_columns``. Spaces and fingerprints are renumbered from 0.
+        C-level passes over the columns (a clean stop of a 1M-chunk tier waits for them)."""
         assert len(order) == self._count and not self.active, "only an idle index is exported"
-        used_spaces = dict.fromkeys(map(self._space.__getitem__, order))
-        space_ids = {sid: i for i, sid in enumerate(used_spaces)}
-        fp_ids = {fid: i for i, fid in enumerate(dict.fromkeys(map(self._fp.__getitem__, order)))}
-        spaces = [self._space_list[sid] for sid in space_ids]
+        spaces = [space for space in self._space_list if space is not None]  # each has keys
+        space_ids = array("I", bytes(4 * len(self._space_list)))
+        for i, space in enumerate(spaces):
+            space_ids[space.id] = i
+        fp_list = [i for i, value in enumerate(self._fps.values) if value is not None]
+        fp_ids = array("I", bytes(4 * len(self._fps.values)))
+        for i, fid in enumerate(fp_list):
+            fp_ids[fid] = i
         keys = list(map(self._keys.__getitem__, order))
         new_space = array("I", map(space_ids.__getitem__, map(self._space.__getitem__, order)))
-        key_dicts: list[dict[bytes, int]] = [{} for _ in spaces]
-        for slot, (key, i) in enumerate(zip(keys, new_space)):
-            key_dicts[i][key] = slot
+        if len(spaces) == 1:
+            key_dicts = [dict(zip(keys, range(len(keys))))]
+        else:
+            key_dicts = []
+            for i in range(len(spaces)):
+                slots = list(compress(range(len(keys)), map(i.__eq__, new_space)))
+                key_dicts.append(dict(zip(map(keys.__getitem__, slots), slots)))
         sums = self._sum
-        multi = {new: list(self._multi[old]) for new, old in enumerate(order)
-                 if self._flags[old] & MULTI}
+        at = [slot * CHECKSUM_BYTES for slot in order]
+        multi = {}
+        if self._multi:
+            multi = {new: list(self._multi[old]) for new, old in enumerate(order)
+                     if self._flags[old] & MULTI}
         return {
-            "spaces": [space.space for space in spaces],  # type: ignore[union-attr]
-            "fingerprints": [self._fps.values[fid] for fid in fp_ids],
+            "spaces": [space.space for space in spaces],
+            "fingerprints": [self._fps.values[fid] for fid in fp_list],
             "space": new_space,
             "fp": array("I", map(fp_ids.__getitem__, map(self._fp.__getitem__, order))),
             "nbytes": array("Q", map(self._nbytes.__getitem__, order)),
             "start": array("Q", map(self._start.__getitem__, order)),
-            "sums": b"".join(sums[slot * CHECKSUM_BYTES:(slot + 1) * CHECKSUM_BYTES]
-                             for slot in order),
+            "sums": b"".join(map(sums.__getitem__, map(slice, at, map(
+                CHECKSUM_BYTES.__add__, at)))),
             "keys": keys,
             "key_dicts": key_dicts,
             "multi": multi,

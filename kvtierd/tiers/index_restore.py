@@ -21,17 +21,20 @@ exactly (nothing has been written since it was stored).
 
 from __future__ import annotations
 
+import collections
 import logging
 import secrets
 import sqlite3
 import time
 from collections import Counter
+from itertools import repeat
 from typing import Callable
 
 from kvtierd.tiers import index_snapshot
 from kvtierd.tiers.allocator import PageAllocator
 from kvtierd.tiers.base import TierIndex
 from kvtierd.tiers.index_db import ChunkIndexDB
+from kvtierd.tiers.index_format import same
 from kvtierd.tiers.index_snapshot import Snapshot, SnapshotRejected
 from kvtierd.tiers.recovery import Loaded, load_rows
 
@@ -53,7 +56,7 @@ def restore(tier: TierIndex, db: ChunkIndexDB, *, verified: bool, reset: Callabl
     except SnapshotRejected as exc:
         log.log(logging.WARNING if exc.damaged else logging.INFO,
                 "%s index %s: snapshot not used (%s); reading the rows", tier.name, db.path, exc)
-    forget(db, path)  # before anything is served or written: the rows are the only truth again
+    forget(db)  # before anything is served or written: the rows are the only truth again
     loaded = None
     if snap is not None:
         try:
@@ -71,13 +74,14 @@ def restore(tier: TierIndex, db: ChunkIndexDB, *, verified: bool, reset: Callabl
     return loaded, source
 
 
-def forget(db: ChunkIndexDB, path) -> None:
+def forget(db: ChunkIndexDB) -> None:
     """Delete the snapshot token (committed) and then the file (a crash in between leaves a
-    file whose token nobody names)."""
+    file whose token nobody names): also for a start that does not recover the index."""
+    path = index_snapshot.path_for(db.path)
     if db.snapshot_token:
         db.forget_snapshot()
     path.unlink(missing_ok=True)
-    path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+    index_snapshot.temp_path_for(db.path).unlink(missing_ok=True)
 
 
 def _load(tier: TierIndex, snap: Snapshot, verified: bool) -> Loaded:
@@ -144,14 +148,23 @@ def busy(**counts: int) -> str:
 
 def _pages(columns: dict, num_pages: int, page_bytes: int
            ) -> tuple[bytearray, int, dict[str, int]]:
-    """The page map (1 = used) of the exported chunks, their pages and pages per tenant."""
+    """The page map (1 = used) of the exported chunks, their pages and pages per tenant (one
+    C-level pass when every chunk is one run of the same size, the common case)."""
     page_map = bytearray(num_pages)
-    multi = columns["multi"]
-    spaces = columns["spaces"]
+    multi, spaces, sizes = columns["multi"], columns["spaces"], columns["nbytes"]
     tenant_pages: Counter[str] = Counter()
+    if sizes and not multi and same(sizes):
+        count = max(1, -(-sizes[0] // page_bytes))
+        if count == 1:
+            collections.deque(map(page_map.__setitem__, columns["start"], repeat(1)), maxlen=0)
+        else:
+            for first in columns["start"]:
+                page_map[first:first + count] = b"\1" * count
+        for space, keys in zip(spaces, columns["key_dicts"]):
+            tenant_pages[space[0]] += count * len(keys)
+        return page_map, count * len(sizes), dict(tenant_pages)
     pages = 0
-    for slot, (sid, nbytes, start) in enumerate(zip(columns["space"], columns["nbytes"],
-                                                    columns["start"])):
+    for slot, (sid, nbytes, start) in enumerate(zip(columns["space"], sizes, columns["start"])):
         runs = multi.get(slot) or [(start, max(1, -(-nbytes // page_bytes)))]
         for first, count in runs:
             page_map[first:first + count] = b"\1" * count

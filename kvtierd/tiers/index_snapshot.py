@@ -39,7 +39,6 @@ import xxhash
 
 MAGIC = b"KVTIDXS\0"
 FORMAT_VERSION = 1
-SUFFIX = ".snapshot"  # beside the index database: ``<index>.snapshot``
 FILE_MODE = 0o600  # as the index: it names tenants, namespaces and prefix hashes
 _LEN = struct.Struct("<I")
 _DIGEST = 16
@@ -64,7 +63,20 @@ class Snapshot:
 
 
 def path_for(index_path: Path) -> Path:
-    return Path(f"{index_path}{SUFFIX}")
+    """Beside the index, its suffix kept: ``/dev/shm/<arena>.snapshot.index``,
+    ``<nvme_dir>/index.snapshot.sqlite``. Why not ``<index>.snapshot``: a daemon of an older
+    version reclaims every ``kvtierd-*`` file in /dev/shm that does not end like an index
+    (``arena.INDEX_SUFFIXES``) and has no ``.index`` beside it, as a dead daemon's arena."""
+    return index_path.with_name(f"{index_path.stem}.snapshot{index_path.suffix}")
+
+
+def temp_path_for(index_path: Path) -> Path:
+    return _temp(path_for(index_path))
+
+
+def _temp(path: Path) -> Path:
+    """Where ``path`` is written before its rename (same suffix: see ``path_for``)."""
+    return path.with_name(f"{path.stem}-tmp{path.suffix}")
 
 
 def write(path: Path, *, meta: dict[str, str], num_pages: int, token: str, columns: dict,
@@ -83,7 +95,7 @@ def write(path: Path, *, meta: dict[str, str], num_pages: int, token: str, colum
     digest = xxhash.xxh3_128(header)
     for section in sections:
         digest.update(section)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = _temp(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                  FILE_MODE)
     try:

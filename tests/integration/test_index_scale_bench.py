@@ -33,10 +33,14 @@ def test_index_scale_quick_runs_and_reports_every_row(tmp_path):
     for part in ("warm_arena", "nvme"):
         assert result[part]["restart_s"] > 0 and result[part]["empty_restart_s"] > 0
         assert result[part]["restart_cpu_s"] > 0 and result[part]["empty_restart_cpu_s"] > 0
+        # a clean restart (from the snapshot its stop wrote) and that stop, beside the rows
+        assert result[part]["snapshot_restart_s"] > 0 and result[part]["stop_s"] > 0
+        assert result[part]["snapshot_bytes_per_chunk"] > 0
     assert set(result["warm_arena"]["lookup"]) == {"1", "64", "1024"}
     for rates in result["warm_arena"]["lookup"].values():
         assert rates["keys_per_s"] > 0 and rates["ping_keys_per_s"] > 0
-    for row in ("memory per chunk, warm arena", "restart to serving, NVMe",
+    for row in ("memory per chunk, warm arena", "restart to serving, NVMe, clean stop (snapshot)",
+                "restart to serving, NVMe, after SIGKILL (rows)", "clean stop, warm arena",
                 "LOOKUP keys/s, 1024-key batches"):
         assert row in stdout
     # Its own names: other benchmarks may run beside this one.
@@ -51,6 +55,7 @@ def test_index_scale_only_restart_runs_just_the_restart_rows(tmp_path):
     assert "put_path" not in result and "lookup" not in result["warm_arena"]
     for part in ("warm_arena", "nvme"):
         assert len(result[part]["restart_runs_s"]) == 1 and result[part]["restart_sys_s"] >= 0
+        assert len(result[part]["snapshot_restart_runs_s"]) == len(result[part]["stop_runs_s"])
     assert "restart to serving, warm arena" in stdout and "LOOKUP" not in stdout
 
 
