@@ -31,6 +31,11 @@ The view ``chunks`` shows the rows with names and fields, as schema 2's table di
 and tests; it decodes the blob in plain SQL). An index of schema 2 or 3 is migrated at open in one
 transaction (logged; a few CPU-s per 1M rows, once), keeping every row and their order.
 
+A clean stop may leave a snapshot of the index beside it (``index_restore``), named by a random
+token in ``meta`` (key ``snapshot_token``, not part of what must match at open). Every write of
+this class clears a present token in the same transaction, so a snapshot never outlives a
+change of the rows it stands for, whoever makes the change (the daemon, an offline tool).
+
 The files (the database and SQLite's ``-wal``/``-shm`` beside it) are 0600: they hold tenants,
 namespaces and prefix hashes. SQLite gives the -wal/-shm files the database file's mode, so the
 database file is created 0600 before SQLite opens it, and older files are narrowed to 0600.

@@ -1,4 +1,5 @@
-"""Re-indexing a tier from its crash-safe index rows at start (warm arena, NVMe).
+"""Re-indexing a tier from its crash-safe index rows at start (warm arena, NVMe), when no
+snapshot of a clean stop stands for them (``index_restore`` decides).
 
 Fast enough for a node's index (target: 1M chunks to serving in <= 3 s): rows come from SQLite
 in batches of 16k, three columns each (space id, key, the packed fixed fields: ``index_format``),
