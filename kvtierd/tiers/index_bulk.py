@@ -162,10 +162,10 @@ class BulkLoad:
             space_col = array("I", map(sids.__getitem__, space_col))
         fps = columns["fingerprints"]
         fp_col = columns["fp"]
-        counts = ([n] if len(fps) == 1 else
-                  [count for _, count in sorted(collections.Counter(fp_col).items())])
-        fids = [self._fps.take_many(fp, count) for fp, count in zip(fps, counts)]
-        if fids != list(range(len(fids))):
+        counts = {0: n} if len(fps) == 1 else collections.Counter(fp_col)
+        fids = {i: self._fps.take_many(fps[i], count)  # only fingerprints some chunk has
+                for i, count in sorted(counts.items()) if count}
+        if any(i != fid for i, fid in fids.items()):
             fp_col = array("I", map(fids.__getitem__, fp_col))
         self._space, self._fp = space_col, fp_col
         self._nbytes, self._start = columns["nbytes"], columns["start"]

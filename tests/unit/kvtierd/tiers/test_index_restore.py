@@ -187,3 +187,19 @@ def test_a_busy_tier_writes_no_snapshot(tmp_path, caplog):
     assert not index_snapshot.path_for(tmp_path / "nvme" / INDEX_NAME).exists()
     tier.abort(entry)
     tier.close()
+
+
+def test_an_empty_index_round_trips_and_the_tier_then_works(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    (tmp_path / "nvme").mkdir()
+    tier = _nvme(tmp_path / "nvme")
+    assert tier.save_snapshot()
+    tier.close()
+    caplog.clear()
+    tier = _nvme(tmp_path / "nvme")
+    assert "0 chunks from snapshot" in caplog.text
+    tier.check_invariants()
+    entry = tier.reserve((("uid:1", "ns", 0), b"after"), "fp", PAGE, os.urandom(16))
+    assert entry is not None and entry.runs == [(0, 1)]  # every page free
+    tier.abort(entry)
+    tier.close()
