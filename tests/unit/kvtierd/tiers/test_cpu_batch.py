@@ -152,14 +152,21 @@ def test_batches_match_per_item_primitives(pair, seed):
     rng = random.Random(seed)
     each, batch = pair
     holds: list[Reads] = []
+    stored: list[tuple] = []  # (space, distinct keys) of earlier PUT batches
+    plain = 0  # DELETE batches of plain chunks only (delete_many's one-pass path)
     for step in range(60):
         keys, sizes = random_batch(rng, f"k{step % 5}", rng.randint(1, 12))
         space = SPACE if rng.random() < 0.8 else OTHER
         fp = "fp" if rng.random() < 0.85 else "fp-other"
-        op = rng.choice(["put", "put", "get", "get", "delete", "release"])
+        op = rng.choice(["put", "put", "get", "get", "delete", "delete_put", "release"])
+        if op == "delete_put" and stored:  # what a PUT stored: distinct keys, mostly idle
+            space, keys = stored.pop(rng.randrange(len(stored)))
+            keys = rng.sample(keys, rng.randint(1, len(keys)))
+            op = "delete"
         if op == "put":
             assert put_each(each, space, keys, sizes, fp) == put_batch(
                 batch, space, keys, sizes, fp, fold=seed % 2 == 0)
+            stored.append((space, list(dict.fromkeys(keys))))
         elif op == "get":
             reads = Reads(each, batch, space, keys, sizes, fp)
             a, b = reads.outcomes()
@@ -171,6 +178,9 @@ def test_batches_match_per_item_primitives(pair, seed):
         elif op == "release" and holds:
             holds.pop(rng.randrange(len(holds))).release()
         elif op == "delete":
+            found = batch.index.key_space(space)
+            plain += found is not None and batch.index.plain_slots(
+                found, keys, batch.index.fingerprint_id(fp)) is not None
             assert delete_each(each, space, keys, fp) == batch.delete_many(space, keys, fp)
         for reads in holds:  # whatever happened since, held bytes stay the ones put
             reads.check_bytes()
@@ -179,6 +189,7 @@ def test_batches_match_per_item_primitives(pair, seed):
         holds.pop().release()
     assert state(each) == state(batch)
     assert not batch.index.reads and not batch.index.retired
+    assert plain, "no DELETE batch took the plain path"
 
 
 def test_acquire_slots_holds_entries_for_chunks_it_must_verify_or_spans_runs(pair):

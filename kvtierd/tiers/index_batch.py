@@ -1,0 +1,72 @@
+"""``ChunkIndex``'s edits of a whole batch of compact chunks of one key space, as C-level loops
+over its columns where Python allows (``map`` of a column's ``__getitem__``, one ``translate`` of
+the flags, one ``extend``) and one tight loop for what must be stored slot by slot.
+
+Why: a DELETE of a batch that a PUT just stored removes thousands of idle chunks, and doing it
+chunk by chunk (``discard_slot`` → ``_unindex`` per slot, each looking its key space, its
+fingerprint and its runs up again) cost more per chunk than the old object index did (issue 12).
+``ChunkIndex`` mixes this in; the columns it edits are ``ChunkIndex``'s
+(``kvtierd.tiers.compact_index`` says what each holds).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import repeat
+from typing import Sequence
+
+from kvtierd.tiers.allocator import Run
+from kvtierd.tiers.index_parts import ACTIVE, MULTI, USED, KeySpace
+
+#: flags byte -> 1 where the slot is not a plain compact chunk (free, active or over several runs)
+_NOT_PLAIN = bytes(1 if f & (ACTIVE | MULTI) or not f & USED else 0 for f in range(256))
+
+
+class BatchEdits:
+    """The batch half of ``ChunkIndex`` (``discard_slot`` and ``_unindex`` are its per-chunk
+    form)."""
+
+    def plain_slots(self, found: KeySpace, keys: Sequence[bytes], fp: int) -> list[int] | None:
+        """The slots of ``keys`` if every key is indexed in ``found`` once in the batch, and
+        each chunk is *plain*: compact (so READY), one run, of the interned fingerprint ``fp``
+        and not read by slot; None as soon as one is not (the caller then goes item by item).
+        A DELETE of the batch a PUT stored finds exactly this."""
+        slots = list(map(found.keys.get, keys, repeat(-1)))
+        if -1 in slots or len(set(slots)) != len(slots):
+            return None
+        if 1 in bytes(map(self._flags.__getitem__, slots)).translate(_NOT_PLAIN):
+            return None
+        if not self.fingerprint_covers_all(fp) and list(
+                map(self._fp.__getitem__, slots)).count(fp) != len(slots):
+            return None
+        if self.reads and not self.reads.keys().isdisjoint(slots):
+            return None
+        return slots
+
+    def discard_plain(self, found: KeySpace, keys: Sequence[bytes], slots: list[int],
+                      fp: int) -> tuple[list[Run], int]:
+        """Unindex plain chunks (``plain_slots``: ``keys`` of ``found``, at ``slots``, of
+        fingerprint id ``fp``): what ``discard_slot`` of each does. Returns their runs, in slot
+        order, and the pages they hold."""
+        page, starts = self.page_bytes, map(self._start.__getitem__, slots)
+        sizes = list(map(self._nbytes.__getitem__, slots))
+        if sizes.count(sizes[0]) == len(sizes):  # one chunk size (most batches)
+            pages = -(-sizes[0] // page) or 1
+            runs = list(zip(starts, repeat(pages)))
+            total = pages * len(slots)
+        else:
+            runs = [(start, -(-nbytes // page) or 1) for start, nbytes in zip(starts, sizes)]
+            total = sum([count for _, count in runs])
+        deque(map(found.keys.__delitem__, keys), 0)  # every del in C; raises on a missing key
+        names, flags = self._keys, self._flags
+        for slot in slots:
+            names[slot] = None
+            flags[slot] = 0
+        self._free_slots.extend(slots)
+        self._count -= len(slots)
+        self._fps.release(fp, len(slots))
+        if not found.keys:
+            del self._spaces[found.space]
+            self._space_list[found.id] = None
+            self._free_space_ids.append(found.id)
+        return runs, total
