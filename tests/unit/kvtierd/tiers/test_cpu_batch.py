@@ -223,6 +223,7 @@ def test_a_slot_read_during_delete_keeps_its_pages_and_its_slot(pair):
     chunk never takes the slot the copy releases) until the read is released."""
     _, tier = pair
     put_batch(tier, SPACE, [b"a", b"b"], [PAGE, 2 * PAGE])
+    tier.compact()  # as the daemon between requests: "a" is plain, but read by slot
     got, held, pages = tier.acquire_slots(SPACE, [b"a", b"a", b"b"], [PAGE, PAGE, 2 * PAGE], "fp")
     [slot_a, _, slot_b] = held
     assert held[0] == held[1] and tier.index.reads == {slot_a: 2, slot_b: 1}
@@ -287,6 +288,28 @@ def test_delete_many_dooms_a_chunk_being_read(pair):
     tier.release_read([entry])
     assert tier.allocator.free_pages == PAGES and len(tier.index) == 0
     tier.check_invariants()
+
+
+def test_delete_many_of_plain_chunks_repeats_and_misses(pair):
+    """A batch of compact one-run chunks takes delete_many's one-pass path only when every key
+    is there once; a repeat or a miss (anywhere in the batch) sends it item by item, with the
+    same answers as DELETE of each key."""
+    each, batch = pair
+    keys = [f"k{i}".encode() for i in range(12)]
+    sizes = [PAGE, 2 * PAGE, 3 * PAGE - 7] * 4
+    for tier, put in ((each, put_each), (batch, put_batch)):
+        assert put(tier, SPACE, keys, sizes) == [Status.OK] * 12
+        tier.compact()
+    found, fp = batch.index.key_space(SPACE), batch.index.fingerprint_id("fp")
+    for dele in ([keys[0], keys[1], keys[0]], [keys[2], b"none", keys[3]], keys[4:6] + [b"x"]):
+        assert batch.index.plain_slots(found, dele, fp) is None
+        assert delete_each(each, SPACE, dele) == batch.delete_many(SPACE, dele, "fp")
+        assert state(each) == state(batch)
+    rest = keys[6:]
+    assert batch.index.plain_slots(found, rest, fp) is not None
+    assert delete_each(each, SPACE, rest) == batch.delete_many(SPACE, rest, "fp") == [0] * 6
+    assert state(each) == state(batch)
+    assert batch.index.key_space(SPACE) is None and batch.allocator.free_runs() == [(0, PAGES)]
 
 
 def test_delete_many_leaves_pending_and_other_layouts(pair):
