@@ -86,11 +86,17 @@ class CpuBatchOps:
             # Every key new and distinct (a fresh PUT batch): one entry per item, in C loops.
             runs = self.allocator.allocate_many(pages, len(rest))
             end = pos + len(runs)
-            entries = list(map(ChunkEntry, zip(repeat(space), rest[:len(runs)]),
-                               repeat(fingerprint), sizes[pos:end], [[run] for run in runs],
-                               repeat(owner)))  # pending_entry's fields, without its frame
+            placed, lengths = rest[:len(runs)], sizes[pos:end]
+            slots = index.add_pending(space, fingerprint, placed, lengths,
+                                      [run[0] for run in runs])
+            # pending_entry's fields (and the slot), without its frame: one C loop
+            entries = list(map(ChunkEntry, zip(repeat(space), placed), repeat(fingerprint),
+                               lengths, [[run] for run in runs], repeat(owner), repeat(_PENDING),
+                               repeat(b""), repeat(0), repeat(0), repeat(False), repeat(False),
+                               repeat(False), repeat(True), slots))
+            index.active.update(zip(slots, entries))
             out[pos:end] = zip(repeat(Status.OK), entries)
-            self._placed(space, fingerprint, entries, pages)
+            self._count_placed(space, len(entries), pages)
             return end
         fresh: dict[bytes, int] = {}  # key -> position, for the items that need pages
         for i in range(pos, len(keys)):  # side-effect free: what each item will be
@@ -120,10 +126,12 @@ class CpuBatchOps:
         """Index new PENDING entries of ``pages`` pages each and count them."""
         if entries:
             self.index.add_many(space, fingerprint, entries)
-            placed = len(entries)
-            self.pending_chunks += placed
-            self.pending_pages += placed * pages
-            self.tenant_pages[space[0]] += placed * pages
+            self._count_placed(space, len(entries), pages)
+
+    def _count_placed(self: CpuTier, space: tuple, placed: int, pages: int) -> None:
+        self.pending_chunks += placed
+        self.pending_pages += placed * pages
+        self.tenant_pages[space[0]] += placed * pages
 
     def commit_many(self: CpuTier, entries: list[ChunkEntry], checksums: Sequence[bytes],
                     fold: bool = False) -> None:
@@ -138,22 +146,33 @@ class CpuBatchOps:
         if self.db is not None:
             self.db.insert([IndexRow.of(entry.ikey, entry.fingerprint, entry.nbytes, checksum,
                                         entry.runs) for entry, checksum in zip(entries, checksums)])
-        insert, loose = self.policy.insert, self.index.loosen
-        parts: dict[tuple, int] = {}
+        if not entries:
+            return
+        first = entries[0].ikey[0]
+        one_space = True
+        slots: list[int] = []
         pages = 0
         for entry, checksum in zip(entries, checksums):
             entry.state = _READY
             entry.checksum = checksum
             pages += entry.pages
+            slots.append(entry.slot)
             space = entry.ikey[0]
-            part = parts.get(space)
-            if part is None:
-                part = parts[space] = self.part_of(entry.slot)
-            insert(entry.slot, part)
-            if not fold:
-                loose(entry)
+            if space is not first and space != first:
+                one_space = False
+        if one_space:  # one partition (a PUT batch): the policy takes them in one call
+            self.policy.insert_many(slots, self.part_of(slots[0]))
+        else:
+            parts: dict[tuple, int] = {}
+            for entry in entries:
+                part = parts.get(entry.ikey[0])
+                if part is None:
+                    part = parts[entry.ikey[0]] = self.part_of(entry.slot)
+                self.policy.insert(entry.slot, part)
         if fold:
             self.index.fold(entries)
+        else:
+            self.index.loosen_slots(slots)
         count = len(entries)
         self.pending_chunks -= count
         self.pending_pages -= pages

@@ -16,7 +16,7 @@ from itertools import repeat
 from typing import Sequence
 
 from kvtierd.tiers.allocator import Run
-from kvtierd.tiers.index_parts import ACTIVE, MULTI, USED, KeySpace
+from kvtierd.tiers.index_parts import ACTIVE, CHECKSUM_BYTES, MULTI, USED, KeySpace
 
 #: flags byte -> 1 where the slot is not a plain compact chunk (free, active or over several runs)
 _NOT_PLAIN = bytes(1 if f & (ACTIVE | MULTI) or not f & USED else 0 for f in range(256))
@@ -70,3 +70,52 @@ class BatchEdits:
             self._space_list[found.id] = None
             self._free_space_ids.append(found.id)
         return runs, total
+
+    def loosen_slots(self, slots: list[int]) -> None:
+        """``loosen`` of the indexed entries at ``slots`` (a batch just committed)."""
+        self._loose.update(slots)
+
+    def add_pending(self, space: tuple, fingerprint: str, keys: Sequence[bytes],
+                    sizes: Sequence[int], starts: Sequence[int]) -> list[int]:
+        """The columns of new one-run chunks of ``space`` (a PUT batch's reservations: ``keys``
+        free and distinct, the caller has checked) with their first pages ``starts``; returns
+        their slots, flagged ACTIVE, in order. The caller puts each chunk's entry into
+        ``active`` at once (``CpuBatchOps._reserve_run``): ``add_many`` without reading the
+        fields back out of entry objects, free slots taken as ``add`` takes them (last freed
+        first) and new ones appended in C."""
+        n = len(keys)
+        if not n:
+            return []
+        found = self._spaces.get(space)
+        if found is None:
+            found = self._new_space(space)
+        fp, sid, flag = self._fps.take_many(fingerprint, n), found.id, USED | ACTIVE
+        free = self._free_slots
+        take = min(len(free), n)
+        slots = free[:-take - 1:-1]  # what ``take`` pops would give, in that order
+        if take:
+            del free[-take:]
+        spaces, fps, lengths, firsts = self._space, self._fp, self._nbytes, self._start
+        names, flags = self._keys, self._flags
+        for slot, key, nbytes, start in zip(slots, keys, sizes, starts):
+            spaces[slot] = sid
+            fps[slot] = fp
+            lengths[slot] = nbytes
+            firsts[slot] = start
+            names[slot] = key
+            flags[slot] = flag
+        if take < n:
+            new = n - take
+            slots.extend(range(len(names), len(names) + new))
+            spaces.extend(repeat(sid, new))
+            fps.extend(repeat(fp, new))
+            lengths.extend(sizes[take:])
+            firsts.extend(starts[take:])
+            names.extend(keys[take:])
+            flags.extend(bytes([flag]) * new)
+            self._sum.extend(bytes(CHECKSUM_BYTES * new))
+        before = len(found.keys)
+        found.keys.update(zip(keys, slots))
+        assert len(found.keys) == before + n, "add_pending of a key that is indexed or repeated"
+        self._count += n
+        return slots
