@@ -393,3 +393,28 @@ def test_single_run_segments_shortcut_matches_the_general_one(pair):
         assert status is Status.OK
         assert tier.segments(entry) == segments(entry.runs, entry.nbytes, PAGE)
         tier.abort(entry)
+
+
+def test_commit_many_over_two_tenants_keeps_each_in_its_partition(request):
+    """Entries of two tenants, one with a quota (its own LRU partition), committed in one
+    commit_many, leave the policy as commit of each does: a quota tenant evicts only its own."""
+    quota = ("uid:7", "ns", 0)
+    tiers = []
+    for _ in range(2):
+        arena = Arena(name=f"kvtierd-test-{uuid.uuid4().hex}", nbytes=PAGES * PAGE,
+                      prefault=False, lock=False)
+        request.addfinalizer(lambda arena=arena: arena.close(unlink=True))
+        tiers.append(CpuTier(arena, PAGE, quota_pages=lambda t: 8 if t == "uid:7" else 0))
+    each, batch = tiers
+    entries = {}
+    for tier in tiers:
+        got = [tier.reserve((space, f"{space[0]}-{i}".encode()), "fp", PAGE, owner=1)[1]
+               for i in range(4) for space in (SPACE, quota)]
+        entries[id(tier)] = got
+    for entry, digest in zip(entries[id(each)], fill(each, entries[id(each)])):
+        each.commit(entry, digest)
+    batch.commit_many(entries[id(batch)], fill(batch, entries[id(batch)]))
+    assert state(each) == state(batch)
+    part = batch.part_of_tenant(batch.index.tenant_number("uid:7"))
+    assert part >= 0 and [batch.index.entry(s).ikey[0] for s in batch.policy.victims(part)] == [
+        quota] * 4
