@@ -168,6 +168,12 @@ class DaemonMetrics:
             "kvtierd_tier_io_duration_seconds", "Lower-tier job time, by tier and op",
             ["tier", "op"], buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.evictions_dropped = Counter(
+            "kvtierd_evictions_dropped",
+            "Chunks evicted from a tier that a tier below was to take but none did (gone from "
+            "every tier), by the tier they left and why",
+            ["tier", "reason"], registry=r,
+        )
         self.quota_rejections = Counter(
             "kvtierd_quota_rejections",
             "Chunks refused QUOTA_EXCEEDED (PUT or promotion), by tenant (configured name or other)",

@@ -280,20 +280,28 @@ class TierChain:
         """A CPU victim: start writing it below (True) or let it go now (False: a tier holds it
         already, or none admits it or has room)."""
         reads = self._reads.pop(entry.ikey, 0)
+        why = ""  # why the nearest tier below did not take it: counted if none does
         for link in self.links:
             if link.tier.holds(entry.ikey, entry.checksum):
                 return False
-            if not self.usable(link) or reads < link.policy.after_reads:
+            if not self.usable(link):
+                why = why or "below_unavailable"
+                continue
+            if reads < link.policy.after_reads:
+                why = why or "admission"
                 continue
             target = link.tier.reserve(entry.ikey, entry.fingerprint, entry.nbytes,
                                        entry.checksum)
             if target is None:
                 self.metrics.io_failures.labels(link.name, "no_space").inc()
+                why = why or "no_room_below"
                 continue
             self.cpu.mark_demoting(entry)
             self.cpu.acquire(entry)
             link.queued["demote"].append((entry, target))
             return True
+        if why:
+            self.metrics.evictions_dropped.labels(self.cpu.name, why).inc()
         return False
 
     def after_commit(self, entry: ChunkEntry) -> None:

@@ -87,24 +87,39 @@ def set_aside(cpu: CpuTier, links: list[Link], nbytes: int) -> BouncePages | Non
 def hold(chain: TierChain, link: Link, entry: ChunkEntry) -> tuple[Link, Cascade] | object | None:
     """``link``'s tier evicts ``entry``: held (acquired) with bounce pages and a reservation in
     the first tier below that takes what leaves the tiers above it, if any can. Returns the link
-    below and the cascade to queue there; None: nothing below takes it (drop it); ``NO_ROOM``:
-    it is to cascade but the bounce pages are in use (keep it for now)."""
+    below and the cascade to queue there; None: nothing below takes it (drop it; counted in
+    ``kvtierd_evictions_dropped_total`` with the reason when a tier below was meant to);
+    ``NO_ROOM``: it is to cascade but the bounce pages are in use (keep it for now)."""
     if chain.bounce is None:
         return None
-    below = next((other for other in chain.links[chain.links.index(link) + 1:]
-                  if other.policy.when is Publish.ON_EVICT and chain.usable(other)), None)
-    if (below is None or below.policy.after_reads  # its reads were not counted below the arena
-            or below.tier.holds(entry.ikey, entry.checksum)):
-        return None
-    bounce = chain.bounce.take(chain.cpu.pages_for(entry.nbytes))
+    takers = [other for other in chain.links[chain.links.index(link) + 1:]
+              if other.policy.when is Publish.ON_EVICT]
+    if not takers:
+        return None  # a plain eviction: no tier below is to get what leaves this one
+    below = next((other for other in takers if chain.usable(other)), None)
+    if below is None:
+        return _dropped(chain, link, "below_unavailable")
+    if below.policy.after_reads:  # its reads were not counted below the arena
+        return _dropped(chain, link, "admission")
+    if below.tier.holds(entry.ikey, entry.checksum):
+        return None  # a copy is below already: nothing is lost
+    pages = chain.cpu.pages_for(entry.nbytes)
+    bounce = chain.bounce.take(pages)
     if bounce is None:  # the slice is in use: the victim stays until it frees up
-        return NO_ROOM if chain.bounce.pages >= chain.cpu.pages_for(entry.nbytes) else None
+        return NO_ROOM if chain.bounce.pages >= pages else _dropped(chain, link, "too_large")
     target = below.tier.reserve(entry.ikey, entry.fingerprint, entry.nbytes, entry.checksum)
     if target is None:
         chain.bounce.give_back(bounce)
-        return None
+        return _dropped(chain, link, "no_room_below")
     link.tier.acquire(entry)
     return below, Cascade(link, entry, bounce, target)
+
+
+def _dropped(chain: TierChain, link: Link, reason: str) -> None:
+    """A victim meant to cascade that no tier below will hold: counted, since it is now gone
+    from every tier (what an operator sizing ``on-evict`` wants to see)."""
+    chain.metrics.evictions_dropped.labels(link.name, reason).inc()
+    return None
 
 
 def job(cpu: CpuTier, link: Link, batch: list[Cascade]) -> Callable[[], list[Any]]:

@@ -43,6 +43,8 @@ def _demote_done(chain: TierChain, job: IoJob, result: Any, error: BaseException
         cpu.finish_demotion(entry)
         if leaving:
             chain.events.dropped(cpu.name, entry)
+            if error is not None:  # its write below failed: no tier holds it now
+                chain.metrics.evictions_dropped.labels(cpu.name, "write_failed").inc()
         if error is None:
             chain.metrics.demotions.inc()
             chain.metrics.bytes.labels("demote", job.link.name).inc(entry.nbytes)
@@ -144,6 +146,8 @@ def _cascade_done(chain: TierChain, job: IoJob, result: Any, error: BaseExceptio
             link.tier.abort(c.target)
             if error is None:  # this chunk's read failed: the copy above is gone anyway
                 chain.metrics.io_failures.labels(c.source_link.name, reason(outcome)).inc()
+            chain.metrics.evictions_dropped.labels(
+                c.source_link.name, "read_failed" if error is None else "write_failed").inc()
         chain.bounce.give_back(c.bounce)
         c.source_link.tier.release(c.source)  # doomed: its pages come back via a delete job
 

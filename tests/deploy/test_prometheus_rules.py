@@ -15,6 +15,7 @@ PROM = DEPLOY / "prometheus"
 ALERTS = {"KvtierdDown", "KvtierdTierFull", "KvtierdNvmeEvictionPressure",
           "KvtierdIntegrityFailures", "KvtierdRequestErrors", "KvtierdHitRatioCollapse",
           "KvtierdRefusing", "KvtierdLowerTierUnavailable", "KvtierdLowerTierFlapping",
+          "KvtierdEvictionsDropped",
           "KvtierdEventsDropped", "KvtierdEventsUnsubscribed"}
 
 

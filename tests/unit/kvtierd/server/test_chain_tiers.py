@@ -121,6 +121,15 @@ class Stack:
         value = self.metrics.registry.get_sample_value(name, labels)
         return 0.0 if value is None else value
 
+    def dropped(self) -> dict[tuple[str, str], float]:
+        """``kvtierd_evictions_dropped_total`` by (tier, reason), the non-zero ones."""
+        out = {}
+        for family in self.metrics.registry.collect():
+            for sample in family.samples:
+                if sample.name == "kvtierd_evictions_dropped_total" and sample.value:
+                    out[(sample.labels["tier"], sample.labels["reason"])] = sample.value
+        return out
+
     def invariants(self) -> None:
         self.cpu.check_invariants()
         self.chain.check_invariants()
@@ -227,6 +236,7 @@ def test_on_evict_admission_drops_chunks_read_too_rarely(make):
     assert s.remote.peek((SPACE, b"read-once")) is not None
     assert s.remote.stats()["chunks"] == 1
     assert ("dropped", "cpu", b"never-read") in s.events.log
+    assert s.dropped() == {("cpu", "admission"): 1}
     s.invariants()
 
 
@@ -268,6 +278,21 @@ def test_a_tier_that_says_it_is_unavailable_is_skipped(make):
     assert s.chain.lookup((SPACE, b"q"), "fp")[0] is Status.MISS
     s.put(b"q2")
     assert s.remote.peek((SPACE, b"q2")) is None
+    assert s.metric("kvtierd_tier_unavailable_total", tier="remote") == 1
+    assert s.dropped() == {}  # "q" left the arena with its copy below
+    s.evict_all()  # "q2" has none, and no tier below can take it now
+    assert (SPACE, b"q2") not in s.cpu.index
+    assert s.dropped() == {("cpu", "below_unavailable"): 1}
+    s.invariants()
+
+
+def test_a_demotion_whose_write_fails_is_counted_as_dropped(make):
+    s = make(remote_policy=PublishPolicy(EVICT), nvme=False)
+    s.put(b"w")
+    s.remote.cut()  # reachable when reserved, refused when written
+    s.evict_all()
+    assert s.remote.peek((SPACE, b"w")) is None and (SPACE, b"w") not in s.cpu.index
+    assert s.dropped() == {("cpu", "write_failed"): 1}
     assert s.metric("kvtierd_tier_unavailable_total", tier="remote") == 1
     s.invariants()
 
@@ -433,6 +458,7 @@ def test_what_nvme_evicts_cascades_to_an_on_evict_remote(make):
     assert s.nvme.counters["evictions"] > 0
     assert s.metric("kvtierd_bytes_total", direction="cascade", tier="remote") > 0
     assert s.chain.bounce.allocator.free_pages == 8, "bounce pages not given back"
+    assert s.dropped() == {}
     on_remote = {k for k in payloads if s.remote.peek((SPACE, k)) is not None}
     cascaded = {k for k in on_remote if ("dropped", "nvme", k) in s.events.log}
     assert cascaded and all(("stored", "remote", k) in s.events.log for k in cascaded)
@@ -456,6 +482,7 @@ def test_victims_wait_for_the_bounce_pages_instead_of_being_dropped(make):
     assert s.nvme.counters["evictions_deferred"] > 0
     assert s.metric("kvtierd_bytes_total", direction="cascade", tier="remote") > 0
     assert s.chain.bounce.allocator.free_pages == 3, "bounce pages not given back"
+    assert s.dropped() == {}
     remote_only(s, payloads)
 
 
@@ -469,6 +496,29 @@ def test_a_victim_larger_than_the_bounce_pages_is_dropped_not_kept(make):
         s.invariants()
     assert s.nvme.counters["evictions"] > 0 and s.nvme.counters["evictions_deferred"] == 0
     assert s.metric("kvtierd_bytes_total", direction="cascade", tier="remote") == 0
+    assert s.dropped() == {("nvme", "too_large"): s.nvme.counters["evictions"]}
+
+
+def test_nvme_victims_an_unusable_remote_cannot_take_are_counted_as_dropped(make):
+    """The remote on-evict but down: NVMe evicts as it would without it (never stalls), and each
+    victim counts as dropped: first the writes that fail (the remote cut off), then, with its
+    circuit open, the victims it is not asked to take."""
+    s = make(remote_policy=PublishPolicy(EVICT), pages=128, cascade_pages=8, nvme_pages=12)
+    s.remote.cut()
+    for i in range(10):  # three-page chunks: NVMe holds four
+        s.put(b"d%d" % i)
+        s.evict_all()
+        s.invariants()
+    evicted = s.nvme.counters["evictions"]
+    dropped = s.dropped()
+    assert evicted > 1 and s.nvme.counters["evictions_deferred"] == 0
+    from_nvme = {why: n for (tier, why), n in dropped.items() if tier == "nvme"}
+    assert set(from_nvme) == {"write_failed", "below_unavailable"}, dropped
+    assert sum(from_nvme.values()) == evicted
+    # chunks that went to the remote themselves while NVMe's victims were held failed there too
+    assert set(dropped) - {("nvme", why) for why in from_nvme} <= {("cpu", "write_failed")}
+    assert s.chain.bounce.allocator.free_pages == 8, "bounce pages not given back"
+    assert s.remote.stats()["chunks"] == 0
 
 
 def test_no_cascade_without_an_on_evict_tier_below(make):
