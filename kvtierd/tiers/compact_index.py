@@ -355,16 +355,6 @@ class ChunkIndex(BulkLoad, BatchEdits):
         del self.retired[slot]
         self._free_slots.append(slot)
 
-    def discard_slot(self, slot: int) -> list[Run]:
-        """Unindex the compact chunk of ``slot`` (no entry object exists); returns its runs."""
-        assert self._flags[slot] & USED and not self._flags[slot] & ACTIVE, (
-            f"slot {slot} is free or active")
-        assert slot not in self.reads, f"slot {slot} is being read: remove it through its entry"
-        runs = (self._multi[slot] if self._flags[slot] & MULTI
-                else [(self._start[slot], max(1, -(-self._nbytes[slot] // self.page_bytes)))])
-        self._unindex(slot)
-        return runs
-
     def _unindex(self, slot: int, reuse: bool = True) -> None:
         space = self._space_list[self._space[slot]]
         assert space is not None

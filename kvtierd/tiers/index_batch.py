@@ -1,12 +1,13 @@
-"""``ChunkIndex``'s edits of a whole batch of compact chunks of one key space, as C-level loops
-over its columns where Python allows (``map`` of a column's ``__getitem__``, one ``translate`` of
-the flags, one ``extend``) and one tight loop for what must be stored slot by slot.
+"""``ChunkIndex``'s edits of a whole batch of chunks of one key space — a DELETE's removal of
+plain compact chunks, a PUT's new reservations — as C-level loops over its columns where Python
+allows (``map`` of a column's ``__getitem__``, one ``translate`` of the flags, one ``extend`` or
+``update``) and one tight loop for what must be stored slot by slot.
 
 Why: a DELETE of a batch that a PUT just stored removes thousands of idle chunks, and doing it
-chunk by chunk (``discard_slot`` → ``_unindex`` per slot, each looking its key space, its
-fingerprint and its runs up again) cost more per chunk than the old object index did (issue 12).
-``ChunkIndex`` mixes this in; the columns it edits are ``ChunkIndex``'s
-(``kvtierd.tiers.compact_index`` says what each holds).
+chunk by chunk (``_unindex`` per slot, each looking its key space, its fingerprint and its runs
+up again) cost more per chunk than the old object index did (issue 12); a PUT's reservations
+read each field back out of an entry object to store it. ``ChunkIndex`` mixes this in; the
+columns it edits are ``ChunkIndex``'s (``kvtierd.tiers.compact_index`` says what each holds).
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ _NOT_PLAIN = bytes(1 if f & (ACTIVE | MULTI) or not f & USED else 0 for f in ran
 
 
 class BatchEdits:
-    """The batch half of ``ChunkIndex`` (``discard_slot`` and ``_unindex`` are its per-chunk
-    form)."""
+    """The batch half of ``ChunkIndex`` (``add`` and ``_unindex`` are its per-chunk form)."""
 
     def plain_slots(self, found: KeySpace, keys: Sequence[bytes], fp: int) -> list[int] | None:
         """The slots of ``keys`` if every key is indexed in ``found`` once in the batch, and
@@ -46,7 +46,7 @@ class BatchEdits:
     def discard_plain(self, found: KeySpace, keys: Sequence[bytes], slots: list[int],
                       fp: int) -> tuple[list[Run], int]:
         """Unindex plain chunks (``plain_slots``: ``keys`` of ``found``, at ``slots``, of
-        fingerprint id ``fp``): what ``discard_slot`` of each does. Returns their runs, in slot
+        fingerprint id ``fp``): what ``_unindex`` of each does. Returns their runs, in slot
         order, and the pages they hold."""
         page, starts = self.page_bytes, map(self._start.__getitem__, slots)
         sizes = list(map(self._nbytes.__getitem__, slots))

@@ -158,7 +158,8 @@ def test_batches_match_per_item_primitives(pair, seed):
         keys, sizes = random_batch(rng, f"k{step % 5}", rng.randint(1, 12))
         space = SPACE if rng.random() < 0.8 else OTHER
         fp = "fp" if rng.random() < 0.85 else "fp-other"
-        op = rng.choice(["put", "put", "get", "get", "delete", "delete_put", "delete_put", "release"])
+        op = rng.choice(["put", "put", "get", "get", "delete", "delete_put", "delete_put",
+                         "release"])
         if op == "delete_put" and stored:  # what a PUT stored: distinct keys, mostly idle
             space, keys = stored.pop(rng.randrange(len(stored)))
             keys = rng.sample(keys, rng.randint(1, len(keys)))
