@@ -7,7 +7,7 @@ decides what is evictable (READY, not leased, not being read) and tells the poli
 
 * ``insert(slot, part)`` when a chunk becomes a candidate (READY, not on its way out),
 * ``touch(slot, part)`` on every hit (``part`` is the one it was inserted with),
-* ``remove(slot)`` when it stops being one, for any reason,
+* ``remove(slot)`` when it stops being one, for any reason (``remove_many``: of a batch),
 * ``victims(part=None)`` yields slots in eviction order, lazily; the tier skips the ones it cannot
   evict now. The caller collects what it needs and only then calls ``remove`` (no changes to the
   policy while iterating).
@@ -41,6 +41,11 @@ class EvictionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def remove(self, slot: int) -> None: ...
+
+    def remove_many(self, slots: Iterable[int]) -> None:
+        """``remove`` of each slot (a DELETE batch; a policy may do it faster in one go)."""
+        for slot in slots:
+            self.remove(slot)
 
     @abc.abstractmethod
     def victims(self, part: int | None = None) -> Iterator[int]:

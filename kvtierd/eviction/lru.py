@@ -77,9 +77,10 @@ class LRUPolicy(EvictionPolicy):
             self._append(slot, part)
 
     def insert_many(self, slots: Iterable[int], part: int) -> None:
-        """``insert`` of each slot in order; new slots past the end (recovery) in one go."""
+        """``insert`` of each slot in order; new slots past the end (recovery) in one go, any
+        other list (a PUT batch's commits) stamped in one loop and logged in one ``extend``."""
         if not isinstance(slots, range) or slots.step != 1 or slots.start != len(self._stamp):
-            super().insert_many(slots, part)
+            self._insert_list(list(slots), part)
             return
         pos = len(self._log)
         self._stamp.extend(range(pos, pos + len(slots)))
@@ -93,6 +94,37 @@ class LRUPolicy(EvictionPolicy):
             plog.extend(range(pos, pos + len(slots)))
         self._live += len(slots)
         if len(self._log) >= _LIMIT:
+            self._rewrite()
+
+    def _insert_list(self, slots: list[int], part: int) -> None:
+        if not slots:
+            return
+        if len(self._log) + len(slots) >= _LIMIT:  # positions would run out mid-batch
+            super().insert_many(slots, part)
+            return
+        stamp, member, log = self._stamp, self._member, self._log
+        top = max(slots)
+        if top >= len(stamp):
+            grow = top + 1 - len(stamp)
+            stamp.extend(array("I", [NONE]) * grow)
+            member.extend(bytes(grow))
+        pos = start = len(log)
+        new = 0
+        for slot in slots:  # a slot twice: the later position wins, as two inserts leave it
+            if not member[slot]:
+                member[slot] = 1
+                new += 1
+            stamp[slot] = pos
+            pos += 1
+        self._live += new
+        log.extend(slots)
+        if part >= 0:
+            plog = self._parts.get(part)
+            if plog is None:
+                plog = self._parts[part] = array("I")
+                self._part_heads[part] = 0
+            plog.extend(range(start, pos))
+        if pos - self._head > (1 + _GARBAGE) * self._live + self._slack or pos >= _LIMIT:
             self._rewrite()
 
     def touch_many(self, slots: list[int], part: int) -> None:
@@ -148,6 +180,18 @@ class LRUPolicy(EvictionPolicy):
             self._stamp[slot] = NONE
             self._member[slot] = 0
             self._live -= 1
+
+    def remove_many(self, slots: Iterable[int]) -> None:
+        """``remove`` of each slot, in one loop (their log entries turn garbage, as one by one)."""
+        stamp, member = self._stamp, self._member
+        size = len(member)
+        removed = 0
+        for slot in slots:
+            if slot < size and member[slot]:
+                stamp[slot] = NONE
+                member[slot] = 0
+                removed += 1
+        self._live -= removed
 
     def victims(self, part: int | None = None) -> Iterator[int]:
         stamp, log = self._stamp, self._log

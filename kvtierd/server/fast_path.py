@@ -36,8 +36,15 @@ def reserve_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item
     space, fingerprint, owner = session.space, session.fingerprint, session.id
     pending = session.pending.add
     for group in _groups(queue, items):
-        reserved = tier.reserve_many(space, [item[1] for item in group],
-                                     [item[3] for item in group], fingerprint, owner)
+        sizes = [item[3] for item in group]
+        reserved = tier.reserve_many(space, [item[1] for item in group], sizes, fingerprint,
+                                     owner)
+        entries = [entry for _, entry in reserved]
+        if None not in entries:  # every item reserved (a batch of new keys): the job in C
+            session.pending.update(entries)
+            queue.add_many(list(zip([item[0] for item in group], entries,
+                                    [item[2] for item in group])), sum(sizes))
+            continue
         job = []
         job_bytes = 0
         for (i, key, offset, nbytes), (status, entry) in zip(group, reserved):

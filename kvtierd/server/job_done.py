@@ -11,7 +11,7 @@ and counted as an integrity failure, never served.
 from __future__ import annotations
 
 import logging
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from kvtierd.cuda_health import CudaContextLost
@@ -35,7 +35,7 @@ class JobCompletions:
             for index, entry, _ in job:
                 self._put_item_failed(batch, index, entry, error)
             return
-        entries = [entry for _, entry, _ in job]
+        entries = list(map(itemgetter(1), job))
         # Without kv-events and without the chain's per-chunk hooks nothing uses the entries
         # after their commit: they go back to compact form at once.
         plain = (not self.events.enabled and not self.mover.links
@@ -45,7 +45,7 @@ class JobCompletions:
             events, blocks = self.events, batch.blocks
             for index, entry, _ in job:
                 events.stored(entry.ikey, "cpu", blocks[index] if blocks else None)
-        sizes = [entry.nbytes for entry in entries]
+        sizes = list(map(attrgetter("nbytes"), entries))
         batch.ghost_keys.extend([entry.ikey[1] for entry in entries])
         batch.ghost_nbytes.extend(sizes)
         self._bytes_in.inc(sum(sizes))

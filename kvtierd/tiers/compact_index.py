@@ -27,10 +27,12 @@ run keeps its run list in ``_multi`` (a fragmented arena costs more per chunk).
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from typing import Hashable, Iterator
 
 from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, ready_entry
+from kvtierd.tiers.index_batch import BatchEdits
 from kvtierd.tiers.index_bulk import BulkLoad
 from kvtierd.tiers.index_parts import (  # noqa: F401 (the flags: imported from here by the tiers)
     ACTIVE, CHECKSUM_BYTES, MULTI, ON_NVME, SUMMED, USED, VERIFIED, Interner, KeySpace)
@@ -38,7 +40,7 @@ from kvtierd.tiers.index_parts import (  # noqa: F401 (the flags: imported from 
 _READY = ChunkState.READY
 
 
-class ChunkIndex(BulkLoad):
+class ChunkIndex(BulkLoad, BatchEdits):
     def __init__(self, page_bytes: int) -> None:
         self.page_bytes = page_bytes
         self._spaces: dict[tuple, KeySpace] = {}
@@ -353,16 +355,6 @@ class ChunkIndex(BulkLoad):
         del self.retired[slot]
         self._free_slots.append(slot)
 
-    def discard_slot(self, slot: int) -> list[Run]:
-        """Unindex the compact chunk of ``slot`` (no entry object exists); returns its runs."""
-        assert self._flags[slot] & USED and not self._flags[slot] & ACTIVE, (
-            f"slot {slot} is free or active")
-        assert slot not in self.reads, f"slot {slot} is being read: remove it through its entry"
-        runs = (self._multi[slot] if self._flags[slot] & MULTI
-                else [(self._start[slot], max(1, -(-self._nbytes[slot] // self.page_bytes)))])
-        self._unindex(slot)
-        return runs
-
     def _unindex(self, slot: int, reuse: bool = True) -> None:
         space = self._space_list[self._space[slot]]
         assert space is not None
@@ -472,3 +464,6 @@ class ChunkIndex(BulkLoad):
                 f"retired slot {slot} drifted")
             assert entry.ref_count >= self.reads[slot], f"retired slot {slot} lost its reads"
         assert all(not self._flags[s] for s in self._free_slots), "a free slot is still in use"
+        fps = Counter(self._fp[s] for space in self._spaces.values() for s in space.keys.values())
+        assert {i: n for i, n in enumerate(self._fps.refs) if n} == fps, (
+            "fingerprint references drifted")

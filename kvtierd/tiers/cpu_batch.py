@@ -19,6 +19,7 @@ from kvtierd.protocol import Status
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, pending_entry
 from kvtierd.tiers.compact_index import ACTIVE, MULTI, VERIFIED
 from kvtierd.tiers.index_db import IndexRow
+from kvtierd.tiers.index_parts import KeySpace
 
 if TYPE_CHECKING:
     from kvtierd.tiers.cpu import CpuTier
@@ -85,11 +86,17 @@ class CpuBatchOps:
             # Every key new and distinct (a fresh PUT batch): one entry per item, in C loops.
             runs = self.allocator.allocate_many(pages, len(rest))
             end = pos + len(runs)
-            entries = list(map(ChunkEntry, zip(repeat(space), rest[:len(runs)]),
-                               repeat(fingerprint), sizes[pos:end], [[run] for run in runs],
-                               repeat(owner)))  # pending_entry's fields, without its frame
+            placed, lengths = rest[:len(runs)], sizes[pos:end]
+            slots = index.add_pending(space, fingerprint, placed, lengths,
+                                      [run[0] for run in runs])
+            # pending_entry's fields (and the slot), without its frame: one C loop
+            entries = list(map(ChunkEntry, zip(repeat(space), placed), repeat(fingerprint),
+                               lengths, [[run] for run in runs], repeat(owner), repeat(_PENDING),
+                               repeat(b""), repeat(0), repeat(0), repeat(False), repeat(False),
+                               repeat(False), repeat(True), slots))
+            index.active.update(zip(slots, entries))
             out[pos:end] = zip(repeat(Status.OK), entries)
-            self._placed(space, fingerprint, entries, pages)
+            self._count_placed(space, len(entries), pages)
             return end
         fresh: dict[bytes, int] = {}  # key -> position, for the items that need pages
         for i in range(pos, len(keys)):  # side-effect free: what each item will be
@@ -119,10 +126,12 @@ class CpuBatchOps:
         """Index new PENDING entries of ``pages`` pages each and count them."""
         if entries:
             self.index.add_many(space, fingerprint, entries)
-            placed = len(entries)
-            self.pending_chunks += placed
-            self.pending_pages += placed * pages
-            self.tenant_pages[space[0]] += placed * pages
+            self._count_placed(space, len(entries), pages)
+
+    def _count_placed(self: CpuTier, space: tuple, placed: int, pages: int) -> None:
+        self.pending_chunks += placed
+        self.pending_pages += placed * pages
+        self.tenant_pages[space[0]] += placed * pages
 
     def commit_many(self: CpuTier, entries: list[ChunkEntry], checksums: Sequence[bytes],
                     fold: bool = False) -> None:
@@ -137,22 +146,33 @@ class CpuBatchOps:
         if self.db is not None:
             self.db.insert([IndexRow.of(entry.ikey, entry.fingerprint, entry.nbytes, checksum,
                                         entry.runs) for entry, checksum in zip(entries, checksums)])
-        insert, loose = self.policy.insert, self.index.loosen
-        parts: dict[tuple, int] = {}
+        if not entries:
+            return
+        first = entries[0].ikey[0]
+        one_space = True
+        slots: list[int] = []
         pages = 0
         for entry, checksum in zip(entries, checksums):
             entry.state = _READY
             entry.checksum = checksum
             pages += entry.pages
+            slots.append(entry.slot)
             space = entry.ikey[0]
-            part = parts.get(space)
-            if part is None:
-                part = parts[space] = self.part_of(entry.slot)
-            insert(entry.slot, part)
-            if not fold:
-                loose(entry)
+            if space is not first and space != first:
+                one_space = False
+        if one_space:  # one partition (a PUT batch): the policy takes them in one call
+            self.policy.insert_many(slots, self.part_of(slots[0]))
+        else:
+            parts: dict[tuple, int] = {}
+            for entry in entries:
+                part = parts.get(entry.ikey[0])
+                if part is None:
+                    part = parts[entry.ikey[0]] = self.part_of(entry.slot)
+                self.policy.insert(entry.slot, part)
         if fold:
             self.index.fold(entries)
+        else:
+            self.index.loosen_slots(slots)
         count = len(entries)
         self.pending_chunks -= count
         self.pending_pages -= pages
@@ -284,15 +304,24 @@ class CpuBatchOps:
                     fingerprint: str) -> list[int]:
         """DELETE of each key by a reader of ``fingerprint``, in order, as the chain does it
         without lower tiers: per key OK, MISS, BUSY (PENDING) or LAYOUT_MISMATCH (written by
-        another layout: left alone), as an int. A compact chunk leaves straight from its
-        columns, with no entry built; the index rows of every removed chunk go in one transaction
-        before any of their pages is freed."""
+        another layout: left alone), as an int. Compact one-run chunks leave together from their
+        columns (``_drop_plain``), with no entry built; the index rows of every removed chunk go
+        in one transaction before any of their pages is freed. A batch of distinct keys that are
+        all such chunks (the DELETE of what a PUT stored) is recognised in C-level passes and
+        removed without a per-key status decision."""
         index = self.index
         found = index.key_space(space)
-        if found is None:
+        if found is None or not keys:
             return [_MISS] * len(keys)
-        get, active, fps, flags = found.keys.get, index.active, index.fp_column, index.flags
         fp = index.fingerprint_id(fingerprint)
+        plain = None if self.on_remove is not None else index.plain_slots(found, keys, fp)
+        if plain is not None:
+            if self.db is not None:  # the rows go before their pages are reused
+                self.db.delete([(space, key) for key in keys])
+            self._drop_plain(found, keys, plain, fp)
+            self.counters["deletes"] += len(keys)
+            return [_OK] * len(keys)
+        get, active, fps, flags = found.keys.get, index.active, index.fp_column, index.flags
         out: list[int] = []
         gone: dict[bytes, int] = {}  # key -> slot, in order
         mismatches = 0
@@ -321,25 +350,33 @@ class CpuBatchOps:
             return out
         if self.db is not None:  # the rows go before their pages are reused
             self.db.delete([(space, key) for key in gone])
-        remove, free, discard = self.policy.remove, self.allocator.free, index.discard_slot
-        tenant = space[0]
-        compact = pages = 0
-        for slot in gone.values():
-            entry = active.get(slot)
-            if entry is not None or self.on_remove is not None or slot in index.reads:
-                # an object, a hook that wants one, or copies reading it by slot (it is doomed)
-                self._remove(index.entry(slot) if entry is None else entry, row_deleted=True)
-                continue
-            remove(slot)
-            runs = discard(slot)
-            pages += runs[0][1] if len(runs) == 1 else sum([count for _, count in runs])
-            free(runs)
-            compact += 1
+        plain_keys: list[bytes] = []
+        plain_slots: list[int] = []
+        reads = index.reads
+        for key, slot in gone.items():
+            if (flags[slot] & (ACTIVE | MULTI) or self.on_remove is not None
+                    or slot in reads):
+                # an object, several runs, a hook that wants an entry, or copies reading it
+                # by slot (it is doomed): one at a time
+                self._remove(index.entry(slot), row_deleted=True)
+            else:
+                plain_keys.append(key)
+                plain_slots.append(slot)
+        if plain_slots:
+            self._drop_plain(found, plain_keys, plain_slots, fp)
         self.counters["deletes"] += len(gone)
-        if compact:
-            self.ready_chunks -= compact
-            self.ready_pages -= pages
-            self.tenant_pages[tenant] -= pages
-            if not self.tenant_pages[tenant]:
-                del self.tenant_pages[tenant]
         return out
+
+    def _drop_plain(self: CpuTier, found: KeySpace, keys: Sequence[bytes], slots: list[int],
+                    fp: int) -> None:
+        """Remove plain chunks (``ChunkIndex.plain_slots``) whose rows are gone: out of the
+        policy, the index and the allocator, each in one call, and the counters once."""
+        self.policy.remove_many(slots)
+        runs, pages = self.index.discard_plain(found, keys, slots, fp)
+        self.allocator.free_many(runs)
+        self.ready_chunks -= len(slots)
+        self.ready_pages -= pages
+        tenant = found.space[0]
+        self.tenant_pages[tenant] -= pages
+        if not self.tenant_pages[tenant]:
+            del self.tenant_pages[tenant]

@@ -54,8 +54,9 @@ class Interner:
         self.refs[i] += count - 1
         return i
 
-    def release(self, i: int) -> None:
-        self.refs[i] -= 1
+    def release(self, i: int, count: int = 1) -> None:
+        """Drop ``count`` references to id ``i`` (a batch of one value: one call)."""
+        self.refs[i] -= count
         if not self.refs[i]:
             del self.ids[self.values[i]]
             self.values[i] = None

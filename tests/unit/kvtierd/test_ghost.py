@@ -163,20 +163,31 @@ def test_memory_per_key_is_what_the_docs_say():
 
 @pytest.mark.parametrize("max_keys", [1 << 30, 300])  # exact, and sampled (a key subset)
 def test_batch_feeds_leave_the_ghosts_exactly_as_per_key_feeds(max_keys):
-    """insert_many / touch_many (what PUT and GET call once per batch) are the per-key sequence."""
+    """insert_many / touch_many / remove_many (what PUT, GET and DELETE call once per batch) are
+    the per-key sequence."""
     rng = random.Random(max_keys)
     space = ("uid:0", "ns", 3)
     tiers = [("cpu", 200 * PAGE), ("nvme", 300 * PAGE)]
     one = GhostCaches(tiers, PAGE, max_keys=max_keys)
     many = GhostCaches(tiers, PAGE, max_keys=max_keys)
     assert (one.tiers[0].sample_ratio < 1.0) == (max_keys == 300)
+    stored: list[bytes] = []
     for _ in range(40):
         keys = [f"k{rng.randrange(900)}".encode() for _ in range(rng.randint(1, 60))]
-        if rng.random() < 0.5:
+        draw = rng.random()
+        if draw < 0.5:
             sizes = [rng.choice([1, PAGE, 3 * PAGE + 5, 500 * PAGE]) for _ in keys]
+            if draw < 0.2:  # one chunk size for the whole batch (most PUTs)
+                sizes = [sizes[0]] * len(keys)
             for key, nbytes in zip(keys, sizes):
                 one.insert((space, key), nbytes)
             many.insert_many(space, keys, sizes)
+            stored.extend(keys)
+        elif draw < 0.65 and stored:  # a DELETE batch, mostly of stored keys
+            keys = rng.sample(stored, min(len(stored), len(keys))) + keys[:2]
+            for key in keys:
+                one.remove((space, key))
+            many.remove_many(space, keys)
         else:
             for key in keys:
                 one.touch((space, key))

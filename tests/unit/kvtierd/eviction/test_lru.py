@@ -174,3 +174,50 @@ def test_batched_touches_on_a_random_workload_match_the_per_key_reference():
     assert list(many.victims()) == list(one.victims())
     assert many.rewrites >= 3
     many.check_invariants()
+
+
+@pytest.mark.parametrize("slack", [0, 65536])
+def test_remove_many_is_one_remove_per_slot(slack):
+    """A DELETE batch's removals (remove_many) leave what one remove per slot leaves, with
+    non-members (removed, never inserted, past the end) and duplicates in the batch, partitions
+    and rewrites in between."""
+    rng = random.Random(5 + slack)
+    many, one = LRUPolicy(slack=slack), LRUPolicy(slack=slack)
+    part_of = {slot: rng.choice([-1, 0, 1]) for slot in range(60)}
+    for step in range(200):
+        batch = [rng.randrange(70) for _ in range(rng.randint(0, 8))]
+        many.remove_many(batch)
+        for slot in batch:
+            one.remove(slot)
+        for _ in range(rng.randint(0, 6)):
+            slot = rng.randrange(60)
+            for policy in (many, one):
+                policy.insert(slot, part_of[slot])
+        assert list(many.victims()) == list(one.victims()) and len(many) == len(one)
+        for part in (0, 1):
+            assert list(many.victims(part)) == list(one.victims(part))
+    many.check_invariants()
+
+
+@pytest.mark.parametrize("slack", [0, 65536])
+def test_insert_many_of_a_list_is_one_insert_per_slot(slack):
+    """A PUT batch's commits (insert_many of a list) leave what one insert per slot leaves: new
+    slots past the end, members re-inserted, duplicates, partitions, rewrites in between."""
+    rng = random.Random(9 + slack)
+    many, one = LRUPolicy(slack=slack), LRUPolicy(slack=slack)
+    for step in range(150):
+        part = rng.choice([-1, 0, 1])
+        top = 30 if step % 2 else 30 + step  # re-inserts (garbage) and new slots past the end
+        batch = [rng.randrange(top) for _ in range(rng.randint(0, 10))]
+        many.insert_many(batch, part)
+        for slot in batch:
+            one.insert(slot, part)
+        gone = rng.randrange(top)
+        for policy in (many, one):
+            policy.remove(gone)
+        assert list(many.victims()) == list(one.victims()) and len(many) == len(one)
+        for p in (0, 1):
+            assert list(many.victims(p)) == list(one.victims(p))
+    many.check_invariants()
+    if slack == 0:
+        assert many.rewrites > 0

@@ -131,3 +131,44 @@ def test_bad_counts_raise(bad):
         PageAllocator(bad)
     with pytest.raises(ValueError):
         PageAllocator(4).allocate(bad)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_free_many_leaves_what_free_of_each_run_leaves(seed):
+    """free_many (a DELETE batch: runs sorted, touching runs merged before the extents are
+    searched) against free of each run in any order: the same extents, on a fragmented
+    allocator, for runs side by side and scattered."""
+    rng = random.Random(seed)
+    many, each = PageAllocator(300), PageAllocator(300)
+    held = []
+    while True:
+        count = rng.choice([1, 1, 2, 5])
+        runs = each.allocate(count)
+        if runs is None:
+            break
+        assert many.allocate(count) == runs
+        held.extend(runs)
+    for _ in range(4):
+        batch = rng.sample(held, rng.randint(1, len(held) // 4))
+        if rng.random() < 0.5:  # side by side, as a PUT batch placed them
+            first = rng.randrange(len(held) - len(batch))
+            batch = held[first:first + len(batch)]
+        held = [run for run in held if run not in batch]
+        for run in rng.sample(batch, len(batch)):
+            each.free([run])
+        many.free_many(list(batch))
+        many.check_invariants()
+        assert many.free_runs() == each.free_runs() and many.free_pages == each.free_pages
+
+
+def test_free_many_refuses_double_and_bad_runs():
+    alloc = PageAllocator(16)
+    alloc.allocate(16)
+    alloc.free([(4, 2)])
+    for bad, match in [([(0, 2), (1, 2)], "double free"), ([(8, 1), (8, 1)], "double free"),
+                       ([(3, 2)], "double free"), ([(9, 1), (10, 0)], "outside"),
+                       ([(14, 3)], "outside")]:
+        with pytest.raises(ValueError, match=match):
+            alloc.free_many(bad)
+        alloc.check_invariants()
+    assert alloc.free_runs() == [(4, 2)]

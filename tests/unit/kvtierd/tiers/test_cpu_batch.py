@@ -152,14 +152,24 @@ def test_batches_match_per_item_primitives(pair, seed):
     rng = random.Random(seed)
     each, batch = pair
     holds: list[Reads] = []
+    stored: list[tuple] = []  # (space, distinct keys) of earlier PUT batches
+    plain = 0  # DELETE batches of plain chunks only (delete_many's one-pass path)
     for step in range(60):
         keys, sizes = random_batch(rng, f"k{step % 5}", rng.randint(1, 12))
         space = SPACE if rng.random() < 0.8 else OTHER
         fp = "fp" if rng.random() < 0.85 else "fp-other"
-        op = rng.choice(["put", "put", "get", "get", "delete", "release"])
+        op = rng.choice(["put", "put", "get", "get", "delete", "delete_put", "delete_put",
+                         "release"])
+        if op == "delete_put" and stored:  # what a PUT stored: distinct keys, mostly idle
+            space, keys = stored.pop(rng.randrange(len(stored)))
+            keys = rng.sample(keys, rng.randint(1, len(keys)))
+            op = "delete"
+        if op == "put" and rng.random() < 0.3:  # new, distinct keys: reserve_many's C path
+            keys = [f"n{step}-{i}".encode() for i in range(len(keys))]
         if op == "put":
             assert put_each(each, space, keys, sizes, fp) == put_batch(
                 batch, space, keys, sizes, fp, fold=seed % 2 == 0)
+            stored.append((space, list(dict.fromkeys(keys))))
         elif op == "get":
             reads = Reads(each, batch, space, keys, sizes, fp)
             a, b = reads.outcomes()
@@ -171,6 +181,9 @@ def test_batches_match_per_item_primitives(pair, seed):
         elif op == "release" and holds:
             holds.pop(rng.randrange(len(holds))).release()
         elif op == "delete":
+            found = batch.index.key_space(space)
+            plain += found is not None and batch.index.plain_slots(
+                found, keys, batch.index.fingerprint_id(fp)) is not None
             assert delete_each(each, space, keys, fp) == batch.delete_many(space, keys, fp)
         for reads in holds:  # whatever happened since, held bytes stay the ones put
             reads.check_bytes()
@@ -179,6 +192,7 @@ def test_batches_match_per_item_primitives(pair, seed):
         holds.pop().release()
     assert state(each) == state(batch)
     assert not batch.index.reads and not batch.index.retired
+    assert plain, "no DELETE batch took the plain path"
 
 
 def test_acquire_slots_holds_entries_for_chunks_it_must_verify_or_spans_runs(pair):
@@ -212,6 +226,7 @@ def test_a_slot_read_during_delete_keeps_its_pages_and_its_slot(pair):
     chunk never takes the slot the copy releases) until the read is released."""
     _, tier = pair
     put_batch(tier, SPACE, [b"a", b"b"], [PAGE, 2 * PAGE])
+    tier.compact()  # as the daemon between requests: "a" is plain, but read by slot
     got, held, pages = tier.acquire_slots(SPACE, [b"a", b"a", b"b"], [PAGE, PAGE, 2 * PAGE], "fp")
     [slot_a, _, slot_b] = held
     assert held[0] == held[1] and tier.index.reads == {slot_a: 2, slot_b: 1}
@@ -278,6 +293,28 @@ def test_delete_many_dooms_a_chunk_being_read(pair):
     tier.check_invariants()
 
 
+def test_delete_many_of_plain_chunks_repeats_and_misses(pair):
+    """A batch of compact one-run chunks takes delete_many's one-pass path only when every key
+    is there once; a repeat or a miss (anywhere in the batch) sends it item by item, with the
+    same answers as DELETE of each key."""
+    each, batch = pair
+    keys = [f"k{i}".encode() for i in range(12)]
+    sizes = [PAGE, 2 * PAGE, 3 * PAGE - 7] * 4
+    for tier, put in ((each, put_each), (batch, put_batch)):
+        assert put(tier, SPACE, keys, sizes) == [Status.OK] * 12
+        tier.compact()
+    found, fp = batch.index.key_space(SPACE), batch.index.fingerprint_id("fp")
+    for dele in ([keys[0], keys[1], keys[0]], [keys[2], b"none", keys[3]], keys[4:6] + [b"x"]):
+        assert batch.index.plain_slots(found, dele, fp) is None
+        assert delete_each(each, SPACE, dele) == batch.delete_many(SPACE, dele, "fp")
+        assert state(each) == state(batch)
+    rest = keys[6:]
+    assert batch.index.plain_slots(found, rest, fp) is not None
+    assert delete_each(each, SPACE, rest) == batch.delete_many(SPACE, rest, "fp") == [0] * 6
+    assert state(each) == state(batch)
+    assert batch.index.key_space(SPACE) is None and batch.allocator.free_runs() == [(0, PAGES)]
+
+
 def test_delete_many_leaves_pending_and_other_layouts(pair):
     _, tier = pair
     put_batch(tier, SPACE, [b"ready"], [PAGE], fp="fp")
@@ -301,6 +338,12 @@ def test_commit_many_is_one_index_transaction(pair, tmp_path):
     assert sorted(row.key for row in db.rows()) == sorted(keys)
     assert tier.delete_many(SPACE, keys[:3], "fp") == [0, 0, 0]
     assert sorted(row.key for row in db.rows()) == sorted(keys[3:])
+    tier.check_invariants()
+    tier.compact()  # the rest is plain: delete_many's one-pass path deletes their rows too
+    index = tier.index
+    assert index.plain_slots(index.key_space(SPACE), keys[3:], index.fingerprint_id("fp"))
+    assert tier.delete_many(SPACE, keys[3:], "fp") == [0, 0]
+    assert not list(db.rows()) and len(tier.index) == 0
     tier.check_invariants()
     db.close()
 
@@ -357,3 +400,28 @@ def test_single_run_segments_shortcut_matches_the_general_one(pair):
         assert status is Status.OK
         assert tier.segments(entry) == segments(entry.runs, entry.nbytes, PAGE)
         tier.abort(entry)
+
+
+def test_commit_many_over_two_tenants_keeps_each_in_its_partition(request):
+    """Entries of two tenants, one with a quota (its own LRU partition), committed in one
+    commit_many, leave the policy as commit of each does: a quota tenant evicts only its own."""
+    quota = ("uid:7", "ns", 0)
+    tiers = []
+    for _ in range(2):
+        arena = Arena(name=f"kvtierd-test-{uuid.uuid4().hex}", nbytes=PAGES * PAGE,
+                      prefault=False, lock=False)
+        request.addfinalizer(lambda arena=arena: arena.close(unlink=True))
+        tiers.append(CpuTier(arena, PAGE, quota_pages=lambda t: 8 if t == "uid:7" else 0))
+    each, batch = tiers
+    entries = {}
+    for tier in tiers:
+        got = [tier.reserve((space, f"{space[0]}-{i}".encode()), "fp", PAGE, owner=1)[1]
+               for i in range(4) for space in (SPACE, quota)]
+        entries[id(tier)] = got
+    for entry, digest in zip(entries[id(each)], fill(each, entries[id(each)])):
+        each.commit(entry, digest)
+    batch.commit_many(entries[id(batch)], fill(batch, entries[id(batch)]))
+    assert state(each) == state(batch)
+    part = batch.part_of_tenant(batch.index.tenant_number("uid:7"))
+    assert part >= 0 and [batch.index.entry(s).ikey[0] for s in batch.policy.victims(part)] == [
+        quota] * 4

@@ -1,0 +1,121 @@
+"""``ChunkIndex``'s edits of a whole batch of chunks of one key space — a DELETE's removal of
+plain compact chunks, a PUT's new reservations — as C-level loops over its columns where Python
+allows (``map`` of a column's ``__getitem__``, one ``translate`` of the flags, one ``extend`` or
+``update``) and one tight loop for what must be stored slot by slot.
+
+Why: a DELETE of a batch that a PUT just stored removes thousands of idle chunks, and doing it
+chunk by chunk (``_unindex`` per slot, each looking its key space, its fingerprint and its runs
+up again) cost more per chunk than the old object index did (issue 12); a PUT's reservations
+read each field back out of an entry object to store it. ``ChunkIndex`` mixes this in; the
+columns it edits are ``ChunkIndex``'s (``kvtierd.tiers.compact_index`` says what each holds).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import repeat
+from typing import Sequence
+
+from kvtierd.tiers.allocator import Run
+from kvtierd.tiers.index_parts import ACTIVE, CHECKSUM_BYTES, MULTI, USED, KeySpace
+
+#: flags byte -> 1 where the slot is not a plain compact chunk (free, active or over several runs)
+_NOT_PLAIN = bytes(1 if f & (ACTIVE | MULTI) or not f & USED else 0 for f in range(256))
+
+
+class BatchEdits:
+    """The batch half of ``ChunkIndex`` (``add`` and ``_unindex`` are its per-chunk form)."""
+
+    def plain_slots(self, found: KeySpace, keys: Sequence[bytes], fp: int) -> list[int] | None:
+        """The slots of ``keys`` if every key is indexed in ``found`` once in the batch, and
+        each chunk is *plain*: compact (so READY), one run, of the interned fingerprint ``fp``
+        and not read by slot; None as soon as one is not (the caller then goes item by item).
+        A DELETE of the batch a PUT stored finds exactly this."""
+        slots = list(map(found.keys.get, keys, repeat(-1)))
+        if -1 in slots or len(set(slots)) != len(slots):
+            return None
+        if 1 in bytes(map(self._flags.__getitem__, slots)).translate(_NOT_PLAIN):
+            return None
+        if not self.fingerprint_covers_all(fp) and list(
+                map(self._fp.__getitem__, slots)).count(fp) != len(slots):
+            return None
+        if self.reads and not self.reads.keys().isdisjoint(slots):
+            return None
+        return slots
+
+    def discard_plain(self, found: KeySpace, keys: Sequence[bytes], slots: list[int],
+                      fp: int) -> tuple[list[Run], int]:
+        """Unindex plain chunks (``plain_slots``: ``keys`` of ``found``, at ``slots``, of
+        fingerprint id ``fp``): what ``_unindex`` of each does. Returns their runs, in slot
+        order, and the pages they hold."""
+        page, starts = self.page_bytes, map(self._start.__getitem__, slots)
+        sizes = list(map(self._nbytes.__getitem__, slots))
+        if sizes.count(sizes[0]) == len(sizes):  # one chunk size (most batches)
+            pages = -(-sizes[0] // page) or 1
+            runs = list(zip(starts, repeat(pages)))
+            total = pages * len(slots)
+        else:
+            runs = [(start, -(-nbytes // page) or 1) for start, nbytes in zip(starts, sizes)]
+            total = sum([count for _, count in runs])
+        deque(map(found.keys.__delitem__, keys), 0)  # every del in C; raises on a missing key
+        names, flags = self._keys, self._flags
+        for slot in slots:
+            names[slot] = None
+            flags[slot] = 0
+        self._free_slots.extend(slots)
+        self._count -= len(slots)
+        self._fps.release(fp, len(slots))
+        if not found.keys:
+            del self._spaces[found.space]
+            self._space_list[found.id] = None
+            self._free_space_ids.append(found.id)
+        return runs, total
+
+    def loosen_slots(self, slots: list[int]) -> None:
+        """``loosen`` of the indexed entries at ``slots`` (a batch just committed)."""
+        self._loose.update(slots)
+
+    def add_pending(self, space: tuple, fingerprint: str, keys: Sequence[bytes],
+                    sizes: Sequence[int], starts: Sequence[int]) -> list[int]:
+        """The columns of new one-run chunks of ``space`` (a PUT batch's reservations: ``keys``
+        free and distinct, the caller has checked) with their first pages ``starts``; returns
+        their slots, flagged ACTIVE, in order. The caller puts each chunk's entry into
+        ``active`` at once (``CpuBatchOps._reserve_run``): ``add_many`` without reading the
+        fields back out of entry objects, free slots taken as ``add`` takes them (last freed
+        first) and new ones appended in C."""
+        n = len(keys)
+        if not n:
+            return []
+        found = self._spaces.get(space)
+        if found is None:
+            found = self._new_space(space)
+        fp, sid, flag = self._fps.take_many(fingerprint, n), found.id, USED | ACTIVE
+        free = self._free_slots
+        take = min(len(free), n)
+        slots = free[:-take - 1:-1]  # what ``take`` pops would give, in that order
+        if take:
+            del free[-take:]
+        spaces, fps, lengths, firsts = self._space, self._fp, self._nbytes, self._start
+        names, flags = self._keys, self._flags
+        for slot, key, nbytes, start in zip(slots, keys, sizes, starts):
+            spaces[slot] = sid
+            fps[slot] = fp
+            lengths[slot] = nbytes
+            firsts[slot] = start
+            names[slot] = key
+            flags[slot] = flag
+        if take < n:
+            new = n - take
+            slots.extend(range(len(names), len(names) + new))
+            spaces.extend(repeat(sid, new))
+            fps.extend(repeat(fp, new))
+            lengths.extend(sizes[take:])
+            firsts.extend(starts[take:])
+            names.extend(keys[take:])
+            flags.extend(bytes([flag]) * new)
+            self._sum.extend(bytes(CHECKSUM_BYTES * new))
+        before = len(found.keys)
+        found.keys.update(zip(keys, slots))
+        assert len(found.keys) == before + n, "add_pending of a key that is indexed or repeated"
+        self._count += n
+        return slots
