@@ -112,3 +112,11 @@ def recovered(path: Path, indexes: Mapping[str, Any]) -> list[tuple[str, Hashabl
     if held:
         log.info("KV events: %d recovered chunk copies to re-announce (%s)", len(held), path)
     return held
+
+
+def take_for(cfg: Any, arena_name: str, indexes: Mapping[str, Any]
+             ) -> list[tuple[str, Hashable, BlockInfo | None]]:
+    """At start, ``recovered`` from this daemon's snapshot (``path_for``), if it keeps one. Taken
+    even with events off: a later run must never re-announce an old snapshot."""
+    path = path_for(cfg, arena_name)
+    return [] if path is None else recovered(path, indexes)

@@ -118,14 +118,7 @@ class LRUPolicy(EvictionPolicy):
             pos += 1
         self._live += new
         log.extend(slots)
-        if part >= 0:
-            plog = self._parts.get(part)
-            if plog is None:
-                plog = self._parts[part] = array("I")
-                self._part_heads[part] = 0
-            plog.extend(range(start, pos))
-        if pos - self._head > (1 + _GARBAGE) * self._live + self._slack or pos >= _LIMIT:
-            self._rewrite()
+        self._logged(part, start, pos)
 
     def touch_many(self, slots: list[int], part: int) -> None:
         """``touch`` of every slot in order (one batched LOOKUP's hits, all in ``part``). The
@@ -152,6 +145,11 @@ class LRUPolicy(EvictionPolicy):
                     stamp[slot] = pos
                     append(slot)
                     pos += 1
+        self._logged(part, start, pos)
+
+    def _logged(self, part: int, start: int, pos: int) -> None:
+        """A batch took log positions ``start..pos``: they go into ``part``'s log too, and the
+        log is rewritten once its garbage outgrows the live entries."""
         if part >= 0 and pos > start:
             plog = self._parts.get(part)
             if plog is None:

@@ -19,7 +19,6 @@ import logging
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import zmq
@@ -224,7 +223,7 @@ class Daemon:
                 signal.signal(signal.SIGTERM, self.request_stop)
                 signal.signal(signal.SIGINT, self.request_stop)
             self._start_threads()
-            recovered = self._take_event_snapshot()
+            recovered = event_snapshot.take_for(self.cfg, self.arena.name, self._tier_indexes())
             if self.events.enabled:
                 self.events.start()
                 self.events.cleared()  # what an earlier run announced is void
@@ -394,8 +393,9 @@ class Daemon:
         self.engine.close()
         self.io_engine.close()
         self.mover.close(snapshot=self._clean_stop)
-        if self.events.enabled and self._event_snapshot_path() is not None:
-            event_snapshot.save(self._event_snapshot_path(), self.events.announcements())
+        events_path = event_snapshot.path_for(self.cfg, self.arena.name)
+        if self.events.enabled and events_path is not None:
+            event_snapshot.save(events_path, self.events.announcements())
         self.events.cleared()  # kv-events hook: what it announced goes with it (or is unknown)
         self.events.close()
         self._close_sockets()
@@ -408,17 +408,11 @@ class Daemon:
         self.arena.close(unlink=not self.cfg.cpu_persistent)
         log.info("kvtierd stopped")
 
-    def _event_snapshot_path(self) -> Path | None:
-        return event_snapshot.path_for(self.cfg, self.arena.name)
-
-    def _take_event_snapshot(self) -> list:
-        """Taken even with events off: a later run must never re-announce an old snapshot."""
-        path = self._event_snapshot_path()
-        if path is None:
-            return []
-        indexes = {"cpu": self.tier.index}
+    def _tier_indexes(self) -> dict[str, Any]:
+        """The compact index of each tier that indexes its chunks here (the remote does not)."""
+        indexes: dict[str, Any] = {"cpu": self.tier.index}
         indexes.update((t.name, t.index) for t in self.mover.lower if isinstance(t, NvmeLowerTier))
-        return event_snapshot.recovered(path, indexes)
+        return indexes
 
     def _close_sockets(self) -> None:
         """Close every socket before the context ends: ``term()`` with one left open blocks
