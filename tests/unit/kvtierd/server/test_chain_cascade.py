@@ -31,6 +31,13 @@ def remote_only(s: Stack, payloads: dict[bytes, bytes]) -> set[bytes]:
     return on_remote - on_nvme
 
 
+def cascaded_losing_nothing(s: Stack, bounce_pages: int) -> None:
+    """Chunks cascaded to the remote, every bounce page came back, and no victim was dropped."""
+    assert s.metric("kvtierd_bytes_total", direction="cascade", tier="remote") > 0
+    assert s.chain.bounce.allocator.free_pages == bounce_pages, "bounce pages not given back"
+    assert s.dropped() == {}
+
+
 def test_what_nvme_evicts_cascades_to_an_on_evict_remote(make):
     """With the remote on-evict, a chunk leaving NVMe (full) is not lost: it is read into the
     arena's bounce slice (verified), written to the remote, and NVMe's pages come free after.
@@ -44,9 +51,7 @@ def test_what_nvme_evicts_cascades_to_an_on_evict_remote(make):
         s.evict_all()
         s.invariants()
     assert s.nvme.counters["evictions"] > 0
-    assert s.metric("kvtierd_bytes_total", direction="cascade", tier="remote") > 0
-    assert s.chain.bounce.allocator.free_pages == 8, "bounce pages not given back"
-    assert s.dropped() == {}
+    cascaded_losing_nothing(s, 8)
     on_remote = {k for k in payloads if s.remote.peek((SPACE, k)) is not None}
     cascaded = {k for k in on_remote if ("dropped", "nvme", k) in s.events.log}
     assert cascaded and all(("stored", "remote", k) in s.events.log for k in cascaded)
@@ -68,9 +73,7 @@ def test_victims_wait_for_the_bounce_pages_instead_of_being_dropped(make):
         s.evict_all()
         s.invariants()
     assert s.nvme.counters["evictions_deferred"] > 0
-    assert s.metric("kvtierd_bytes_total", direction="cascade", tier="remote") > 0
-    assert s.chain.bounce.allocator.free_pages == 3, "bounce pages not given back"
-    assert s.dropped() == {}
+    cascaded_losing_nothing(s, 3)
     remote_only(s, payloads)
 
 
