@@ -51,14 +51,23 @@ def thread_cpu_s(pid: int, tid: int) -> float:
         return int(f.read().split()[0]) / 1e9
 
 
-def process_cpu_s(pid: int) -> float:
-    total = 0.0
+def threads_cpu_s(pid: int) -> dict[int, float]:
+    """One reading of every thread of ``pid``: tid -> seconds on a CPU. The loop thread's figure and
+    the all-threads sum come from this same reading, so "all" can never fall below "loop" (two
+    separate readings could: the loop thread runs between them)."""
+    seen = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            total += thread_cpu_s(pid, int(tid))
+            seen[int(tid)] = thread_cpu_s(pid, int(tid))
         except FileNotFoundError:  # a thread that just ended
             pass
-    return total
+    return seen
+
+
+def cpu_delta_s(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU the threads alive at ``after`` spent since ``before`` (a new thread counts from zero; a
+    thread that ended in between is lost, so this is a lower bound, never below the loop's own)."""
+    return sum(t - before.get(tid, 0.0) for tid, t in after.items())
 
 
 def start_daemon(code_dir: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
@@ -87,12 +96,13 @@ def one_round(proc: subprocess.Popen, session: Session, size: int, count: int, t
     out = {}
     for op, fields in (("put", {"items": items}), ("get", {"items": items}),
                        ("delete", {"keys": keys})):
-        loop0, all0 = thread_cpu_s(proc.pid, proc.pid), process_cpu_s(proc.pid)
+        before = threads_cpu_s(proc.pid)
         reply = session.call(Op[op.upper()], **fields)
-        loop1, all1 = thread_cpu_s(proc.pid, proc.pid), process_cpu_s(proc.pid)
+        after = threads_cpu_s(proc.pid)
         if any(reply["results"]):
             raise RuntimeError(f"{op} of {tag} failed: {reply['results'][:8]}")
-        out[op] = ((loop1 - loop0) / count * 1e6, (all1 - all0) / count * 1e6)
+        loop_s = after[proc.pid] - before[proc.pid]
+        out[op] = (loop_s / count * 1e6, cpu_delta_s(before, after) / count * 1e6)
     return out
 
 
