@@ -47,6 +47,7 @@ _CONFIG_FLAGS = (
 # Boolean keys are flags with a --no- form (argparse.BooleanOptionalAction).
 _BOOL_FLAGS = (
     ("--cpu-persistent", "cpu_persistent", "keep the arena and its index across restarts"),
+    ("--index-snapshot", "index_snapshot", "a clean stop writes the index snapshot"),
     ("--prefault", "prefault", "touch every arena page at start"),
     ("--mlock", "mlock", "lock the arena into RAM"),
     ("--cuda-pin-arena", "cuda_pin_arena", "register the arena with CUDA (when present)"),

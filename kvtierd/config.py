@@ -67,6 +67,12 @@ class Config:
     # Keep the arena and its index in /dev/shm across restarts (warm restart); off: private arena,
     # removed at exit.
     cpu_persistent: bool = False
+    # A clean stop writes each persistent tier's index snapshot beside its SQLite index, so that
+    # the next start loads it instead of reading every row (1M chunks: ~0.5 s instead of ~1.4 s).
+    # Off for the last stop before rolling back to a kvtierd without snapshots (before 0.1.0 of
+    # 2 December 2026): such a daemon reads the snapshot's token in the index as a changed index
+    # and starts empty.
+    index_snapshot: bool = True
     # Directory of the NVMe tier (data file, index, lock); one daemon per directory. Empty:
     # <state dir>/<instance id>/nvme, so that daemons on different sockets never share one.
     nvme_dir: str = ""

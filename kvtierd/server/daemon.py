@@ -392,7 +392,8 @@ class Daemon:
         self.sessions.close_all("daemon stopping")
         self.engine.close()
         self.io_engine.close()
-        self.mover.close(snapshot=self._clean_stop)
+        snapshot = self._clean_stop and self.cfg.index_snapshot
+        self.mover.close(snapshot=snapshot)
         events_path = event_snapshot.path_for(self.cfg, self.arena.name)
         if self.events.enabled and events_path is not None:
             event_snapshot.save(events_path, self.events.announcements())
@@ -401,7 +402,7 @@ class Daemon:
         self._close_sockets()
         self.metrics.close()
         if self.tier.db is not None:
-            if self._clean_stop:
+            if snapshot:
                 self.tier.save_snapshot()
             self.tier.db.close()
         self.pinner.close()  # unregistered before the arena is unmapped

@@ -228,3 +228,33 @@ def test_an_offline_index_write_after_a_clean_stop_voids_the_snapshot(daemon_fac
     cs.get_exact(s, kept)
     s.close()
 
+
+
+def test_without_index_snapshot_a_clean_stop_leaves_the_index_as_older_daemons_wrote_it(
+        daemon_factory, memfd):
+    """Rolling back: a daemon with ``--no-index-snapshot`` still starts from a snapshot, but its
+    clean stop writes neither a snapshot nor a token, so the meta table holds exactly what a
+    daemon without snapshots wrote and checks (it drops an index with any other key in meta);
+    the next start reads the rows, every chunk byte-exact."""
+    d = daemon_factory("--cpu-persistent", cpu_bytes=str(TIER_PAGES * PAGE),
+                       page_bytes=str(PAGE), nvme_bytes="0")
+    cs = Chunks(memfd, 20, seed=26)
+    s = cs.session(d)
+    cs.put(s, cs.keys)
+    s.close()
+    d.flags.append("--no-index-snapshot")
+    assert "20 chunks from snapshot" in stop_start(d)  # written by the stop of a default daemon
+    sigterm(d)
+    assert "snapshot of" not in d.log().split("20 chunks from snapshot")[-1]
+    assert not index_snapshot.path_for(arena_index(d)).exists()
+    db = sqlite3.connect(arena_index(d))
+    meta = dict(db.execute("SELECT k, v FROM meta"))
+    db.close()
+    assert set(meta) == {"schema", "page_bytes", "cpu_bytes"}, meta
+    mark = len(d.log())
+    d.restart()
+    log = starts_since(d, mark)
+    assert "20 chunks from rows" in log and "snapshot not used (no snapshot)" in log, log
+    s = cs.session(d)
+    cs.get_exact(s, cs.keys)
+    s.close()
