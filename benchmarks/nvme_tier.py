@@ -7,12 +7,16 @@ Everything runs in one directory (default: a temporary one under benchmarks/resu
 repository's file system; ``--dir`` to measure another disk), in one run:
 
 * **Demotion GB/s** for 2 MiB and 16 MiB chunks through a real daemon with a small CPU tier
-  (``--cpu-bytes``, 512 MiB; it demotes in rounds of 5% of itself, the watermark gap, and each
-  round pays a fixed fdatasync + index commit + loop turn of a few ms: a 128 MiB arena's 6 MiB
-  rounds lose ~30% to that, the GiB arenas of real nodes nothing): the arena is filled first (untimed), then one session PUTs
-  ``--bytes`` more, so every byte put makes the CPU tier demote as much (steady state);
-  demotion GB/s = bytes the NVMe tier committed / time from the first timed PUT until the
-  daemon's stats show nothing demoting or pending any more (fdatasyncs and index rows included).
+  (``--cpu-bytes``, 512 MiB; it demotes in rounds of 10% of itself, from full down to the low
+  watermark, up to two rounds in flight, and each round pays a fixed fdatasync + index commit +
+  loop turn of a few ms: small arenas lose more to that, the GiB arenas of real nodes nothing):
+  the arena is filled first (untimed), then one session PUTs ``--bytes`` more, so every byte put
+  makes the CPU tier demote as much; demotion GB/s = bytes the NVMe tier committed / time from
+  the first timed PUT until the daemon's stats show nothing demoting or pending any more
+  (fdatasyncs and index rows included). Not quite steady state: the fill ends with its last two
+  rounds written and freed, so the timed PUTs find 20% of the arena free and its first ~100 MiB
+  reach no disk (sampled: the disk's first 9-16 ms of a ~250 ms phase idle at 512 MiB;
+  ``--bytes 2GiB`` makes that share 4x smaller).
 * **Promotion GB/s**: the chunks still in the arena are DELETEd (so reads never make the arena
   demote, i.e. write, meanwhile), then the chunks resident only on NVMe are read by GETs from
   ``--io-threads`` sessions at once.
@@ -404,7 +408,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bytes", default="512MiB", help="bytes PUT (and demoted) per chunk "
                         "size, after the arena is full")
     parser.add_argument("--cpu-bytes", default="512MiB", help="the daemon's (small) CPU tier; "
-                        "it demotes in rounds of high - low watermark (5%%) of it")
+                        "it demotes in rounds of full - low watermark (10%%) of it")
     parser.add_argument("--sizes", default=",".join(SIZES), help="chunk sizes, of " +
                         ", ".join(SIZES))
     parser.add_argument("--index-chunks", type=int, default=10000,

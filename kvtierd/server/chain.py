@@ -7,7 +7,9 @@ Everything that moves chunks between tiers is written here once, for any ``Lower
   without I/O (remote) gets one batched existence check per LOOKUP (``check``).
 * **Demotion** (a CPU victim): the chunk stays READY and readable in the arena, marked
   ``demoting`` (not evictable, one ref held by the write), until its copy below is durable; then it
-  leaves the arena. A victim some tier already holds leaves at once.
+  leaves the arena. A victim some tier already holds leaves at once. Under sustained writes the
+  next round starts as soon as the parked PUTs take a finished round's pages
+  (``chain_io.next_round``), so the tier below writes one round while another syncs.
 * **Publishing on commit** (``on-commit``, NVMe's write-through): every commit also starts a write;
   the arena copy stays. With an admission filter (``after_reads``) it starts at the N-th read.
 * **Cascading on eviction**: a chunk a lower tier evicts (NVMe, full) goes on to the first tier
