@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+import disk_stats
+
 
 def raw_fio(directory: Path, size: int, total: int, jobs: int) -> dict:
     """fio's sequential O_DIRECT write then read of ``total`` bytes in ``size`` blocks, ``jobs``
@@ -22,11 +24,16 @@ def raw_fio(directory: Path, size: int, total: int, jobs: int) -> dict:
               f"--bs={size}", f"--size={per_job}", f"--numjobs={jobs}", "--direct=1",
               "--ioengine=psync", "--group_reporting", "--output-format=json"]
     out = {}
+    dev = disk_stats.stat_path(directory)
     try:
         for rw, extra in (("write", ["--end_fsync=1"]), ("read", [])):
+            before = disk_stats.read(dev)
             done = subprocess.run(common + [f"--rw={rw}"] + extra, capture_output=True,
                                   text=True, check=True)
+            after = disk_stats.read(dev)
             job = json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0][rw]
+            # fio's own I/O time (its start-up and layout left out), as the daemon's phases are
+            out[f"{rw}_disk"] = disk_stats.delta(before, after, job["runtime"] / 1000.0)
             out[f"{rw}_gbs"] = job["bw_bytes"] / 1e9
     finally:
         for f in directory.glob("raw.*"):
@@ -49,6 +56,9 @@ def raw_python(directory: Path, size: int, total: int, jobs: int) -> dict:
             buf.write(os.urandom(size))
             buffers.append(buf)
 
+        dev = disk_stats.stat_path(directory)
+        disk = {}
+
         def run(op) -> float:
             barrier = threading.Barrier(jobs + 1)
 
@@ -62,13 +72,17 @@ def raw_python(directory: Path, size: int, total: int, jobs: int) -> dict:
             threads = [threading.Thread(target=job, args=(j,)) for j in range(jobs)]
             for t in threads:
                 t.start()
+            before = disk_stats.read(dev)  # before any job can start
             barrier.wait()
             t0 = time.perf_counter()
             for t in threads:
                 t.join()
             if op is os.pwritev:
                 os.fdatasync(fd)
-            return time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            disk["write_disk" if op is os.pwritev else "read_disk"] = disk_stats.delta(
+                before, disk_stats.read(dev), elapsed)
+            return elapsed
 
         write_s = run(os.pwritev)
         read_s = run(os.preadv)
@@ -79,4 +93,4 @@ def raw_python(directory: Path, size: int, total: int, jobs: int) -> dict:
         path.unlink(missing_ok=True)
     nbytes = per_job * jobs * size
     return {"tool": "python O_DIRECT pwritev/preadv threads", "bytes": nbytes,
-            "write_gbs": nbytes / write_s / 1e9, "read_gbs": nbytes / read_s / 1e9}
+            "write_gbs": nbytes / write_s / 1e9, "read_gbs": nbytes / read_s / 1e9, **disk}

@@ -7,7 +7,9 @@ Everything that moves chunks between tiers is written here once, for any ``Lower
   without I/O (remote) gets one batched existence check per LOOKUP (``check``).
 * **Demotion** (a CPU victim): the chunk stays READY and readable in the arena, marked
   ``demoting`` (not evictable, one ref held by the write), until its copy below is durable; then it
-  leaves the arena. A victim some tier already holds leaves at once.
+  leaves the arena. A victim some tier already holds leaves at once. Under sustained writes the
+  next round starts as soon as the parked PUTs take a finished round's pages
+  (``chain_io.next_round``), so the tier below writes one round while another syncs.
 * **Publishing on commit** (``on-commit``, NVMe's write-through): every commit also starts a write;
   the arena copy stays. With an admission filter (``after_reads``) it starts at the N-th read.
 * **Cascading on eviction**: a chunk a lower tier evicts (NVMe, full) goes on to the first tier
@@ -50,8 +52,8 @@ from kvtierd.tiers.lower import LowerTier, Publish, PublishPolicy
 
 log = logging.getLogger(__name__)
 
-#: Writes queued during one loop iteration are flushed as jobs of about this many bytes, so that
-#: many small chunks share one fdatasync (or one batched remote put) and one index transaction.
+#: Chunks cascading from one lower tier to the next are written in jobs of about this many bytes
+#: (demotions and publishing: ``LowerTier.write_job_bytes``, the tier's own).
 WRITE_JOB_BYTES = 32 * 1024**2
 #: Promotions queued during one loop iteration are read in jobs spread over the tier's I/O threads
 #: (a GET of a few chunks still reads them in parallel) of at most this many bytes (a GET waits
@@ -402,9 +404,9 @@ class TierChain:
 
     def _submit_batches(self, link: Link, kind: str,
                         queued: list[tuple[ChunkEntry, ChunkEntry]]) -> None:
-        # Spread over the I/O threads, but never below WRITE_JOB_BYTES per job.
+        # Spread over the I/O threads, but never below the tier's write_job_bytes per job.
         total = sum(c.nbytes for c, _ in queued)
-        per_job = max(WRITE_JOB_BYTES, -(-total // link.engine.threads))
+        per_job = max(link.tier.write_job_bytes, -(-total // link.engine.threads))
         for batch in split(queued, lambda pair: pair[0].nbytes, per_job):
             self._submit_writes(link, kind, batch, sum(c.nbytes for c, _ in batch))
 

@@ -49,6 +49,28 @@ def _demote_done(chain: TierChain, job: IoJob, result: Any, error: BaseException
             chain.metrics.demotions.inc()
             chain.metrics.bytes.labels("demote", job.link.name).inc(entry.nbytes)
     chain.on_space()
+    next_round(chain)
+
+
+def next_round(chain: TierChain) -> None:
+    """Start the arena's next demotion round now if the parked PUTs (``on_space``) left it
+    with less than a round free, and what is free or on its way out is less than the two rounds
+    ``CpuTier._make_room`` keeps coming.
+
+    Without this the next round starts only when a later reservation finds the arena full
+    (``CpuTier._make_room``): after the client's round trip and the copies of the PUT that took
+    these pages. Both rounds in flight then tend to start, write, fdatasync and commit their
+    index rows together, and the disk idles while they sync (measured, 2 MiB chunks, 512 MiB
+    arena: rounds started in pairs ~55 ms apart, 15-20% of the demotion time with nothing at
+    the disk). Started here, a round's writes queue behind the other round's and keep the disk
+    busy while that one syncs. An arena that keeps a round free (nobody writing) demotes no
+    further, and one part of the rounds finishing before the rest (another tier's job) leaves
+    free + demoting as it was: no extra round either."""
+    cpu = chain.cpu
+    free = cpu.allocator.free_pages
+    if (cpu.demoter is not None and free < cpu.round_pages
+            and free + cpu.demoting_pages < 2 * cpu.round_pages):
+        cpu.evict(cpu.round_pages)
 
 
 def _write_through_done(chain: TierChain, job: IoJob, result: Any,

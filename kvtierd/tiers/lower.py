@@ -192,6 +192,12 @@ class LowerTier(ABC):
     read_slack_bytes: int = 0
     #: Seconds the chain skips this tier after a job raised TierUnavailable.
     retry_s: float = 10.0
+    #: What the chain cuts the writes (demotions, on-commit publishing) queued in one loop
+    #: iteration into: jobs of about this many bytes, at least (spread over the tier's I/O
+    #: threads when there are more). Every job pays one durable commit (fdatasync and index
+    #: transaction, or one batched remote put), shared by its chunks; a smaller job frees its
+    #: arena pages sooner, so that the next demotion round starts while the others write.
+    write_job_bytes: int = 32 * 1024**2
     #: Set by the chain; every removal from the tier's index calls it.
     on_drop: Callable[[ChunkEntry], None]
     #: Set by the chain; a tier that evicts (NVMe) calls it for each victim just before dropping

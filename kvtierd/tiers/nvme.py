@@ -31,6 +31,7 @@ from kvtierd.tiers.chunk import ChunkEntry, ChunkState
 from kvtierd.tiers.compact_index import ChunkIndex
 from kvtierd.tiers import index_restore
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
+from kvtierd.tiers.nvme_commit import GroupCommit
 from kvtierd.tiers.nvme_file import (
     DataFile,
     FaultInjector,
@@ -102,6 +103,7 @@ class NvmeTier(TierIndex):
         )
         if self.db.reset_reason:
             log.warning("NVMe index reset, its chunks are dropped (%s)", self.db.reset_reason)
+        self._rows: GroupCommit[IndexRow] = GroupCommit(self.db.insert)  # write jobs' rows
         self.policy_name = policy
         self.policy = make_policy(policy)
         self.index = ChunkIndex(page_bytes)
@@ -205,7 +207,8 @@ class NvmeTier(TierIndex):
                   ) -> Callable[[], int]:
         """Copy each entry's source arena pages into its pages (every piece of every chunk in
         flight at once, up to the queue depth), make them all durable with one ``fdatasync``, then
-        index them in one transaction. All or nothing per job."""
+        index them in one transaction (shared with the jobs that finish at the same time:
+        ``nvme_commit``). All or nothing per job."""
         rows = [IndexRow.of(e.ikey, e.fingerprint, e.nbytes, e.checksum, e.runs) for e, _ in items]
 
         def job() -> int:
@@ -213,7 +216,7 @@ class NvmeTier(TierIndex):
                          for page, views in _transfers(entry.runs, src_runs, arena,
                                                        self.page_bytes, self._piece_pages)])
             self.file.sync()  # data durable before the rows that name it
-            self.db.insert(rows)
+            self._rows.insert(rows)  # with the rows of every job that synced meanwhile
             return sum(e.pages for e, _ in items) * self.page_bytes
 
         return job

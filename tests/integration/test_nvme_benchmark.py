@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import disk_stats  # noqa: E402  (a sibling of the benchmark, not a package)
 
 
 @pytest.mark.slow
@@ -35,6 +37,20 @@ def test_quick_run_writes_interleaved_pairs_with_median_and_min_ratios(tmp_path)
         ratios = [p[key] for p in row["pairs"]]
         assert row[key]["min"] == min(ratios)
         assert min(ratios) <= row[key]["median"] <= max(ratios)
+    raws = row["raws"]  # R D R: the raw tool against itself, judged as a daemon run is
+    assert len(raws) == 3 and [p["raw"]["runs"] for p in row["pairs"]] == [raws[:2], raws[1:]]
+    for key, gbs in (("raw_self_write_ratio", "write_gbs"), ("raw_self_read_ratio", "read_gbs")):
+        assert row[key]["values"] == [
+            pytest.approx(raws[1][gbs] / ((raws[0][gbs] + raws[2][gbs]) / 2))]
+        assert row[key]["min"] == row[key]["values"][0]
+    if disk_stats.stat_path(tmp_path) is not None:  # a block device: its counters per phase
+        for pair in row["pairs"]:
+            demote, promote = pair["daemon"]["demote_disk"], pair["daemon"]["promote_disk"]
+            assert 0 < demote["busy"] <= 1 and 0 < promote["busy"] <= 1
+            assert demote["write_mib"] >= pair["daemon"]["demoted_bytes"] / 2**20
+        for raw in raws:
+            assert raw["write_disk"]["write_mib"] >= raw["bytes"] / 2**20
     assert result["restart"]["indexed_chunks"] >= 300
-    assert "ratio med" in done.stdout  # the table was printed
+    assert "ratio med" in done.stdout and "raw self min" in done.stdout  # the tables
+    assert "busy/depth" in done.stdout
     assert not list((tmp_path / "disk").iterdir()), "the benchmark left files behind"

@@ -297,3 +297,56 @@ def test_a_cut_remote_fails_a_batch_of_promotions_as_misses_and_keeps_the_copies
     assert all(s.remote.peek((SPACE, key)) is not None for key in keys), "copies dropped"
     assert not any((SPACE, key) in s.cpu.index for key in keys)
     s.invariants()
+
+
+def test_a_round_whose_pages_the_parked_puts_take_starts_the_next_round_then(make):
+    """Sustained writes: the PUTs parked on a full arena take a finished round's pages at once
+    (``on_space``). The next round starts right then (``chain_io.next_round``), not when a later
+    reservation finds the arena full, so the disk writes it while the other round syncs; once a
+    round's worth stays free (the writes stopped), no further round starts. Every chunk lands."""
+    s = make(remote_policy=PublishPolicy(EVICT), pages=40, low=0.75, nvme_pages=128)
+    cpu = s.cpu
+    payloads: dict[bytes, bytes] = {}
+
+    def put(key: bytes) -> Status:
+        status, entry = cpu.reserve((SPACE, key), "fp", PAGE, owner=1)
+        if status is Status.OK:
+            payloads[key] = os.urandom(PAGE)
+            (offset, length), = cpu.segments(entry)
+            s.arena.view[offset:offset + length] = payloads[key]
+            cpu.commit(entry, xxhash.xxh3_128_digest(payloads[key]))
+        return status
+
+    for i in range(40):
+        assert put(f"k{i}".encode()) is Status.OK
+    assert put(b"p0") is Status.NO_SPACE and put(b"p1") is Status.NO_SPACE  # two rounds
+    assert cpu.demoting_pages == 2 * cpu.round_pages == 20
+    parked = [f"p{i}".encode() for i in range(30)]
+
+    def retry_parked() -> None:  # what DataOps.retry_parked does when pages come back
+        while parked and cpu.allocator.free_pages:
+            assert put(parked.pop(0)) is Status.OK
+
+    s.chain.on_space = retry_parked
+    failed = cpu.counters["reserve_no_space"]
+    nvme_pool = s.chain.engines[0]
+    s.chain.flush()
+    select.select([nvme_pool.wake_fd], [], [], 10)
+    for job, result, error in nvme_pool.completions():  # the first demotion(s) done
+        s.chain.on_io_done(job, result, error)
+    assert cpu.allocator.free_pages < cpu.round_pages  # the parked PUTs took the pages...
+    assert cpu.demoting_pages >= cpu.round_pages  # ...and the next round is on its way
+    assert cpu.counters["reserve_no_space"] == failed  # without a reservation failing first
+    s.settle()
+    assert not parked and cpu.demoting_pages == 0
+    assert cpu.allocator.free_pages >= cpu.round_pages  # the writes stopped: no more rounds
+    demoted = [k for k in payloads if cpu.index.get((SPACE, k)) is None]
+    assert len(demoted) == 70 - (40 - cpu.allocator.free_pages)
+    assert s.metric("kvtierd_demotions_total") == len(demoted)
+    for key in set(payloads) - set(demoted):  # room in the arena to read every demoted one back
+        assert s.chain.delete((SPACE, key)) is Status.OK
+    s.settle()
+    for key in demoted:
+        ok, data = s.promote(key, PAGE)
+        assert ok and data == payloads[key], key
+    s.invariants()
