@@ -39,7 +39,7 @@ from kvtierd.protocol import (
     reply,
     unpack,
 )
-from kvtierd.server import envelope
+from kvtierd.server import envelope, heap_trim, tier_setup
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.admission import Admission
 from kvtierd.server.connections import (
@@ -47,7 +47,6 @@ from kvtierd.server.connections import (
 from kvtierd.server.data_ops import DataOps
 from kvtierd.server.handlers import OpHandlers
 from kvtierd.server.handshake import HandshakeServer
-from kvtierd.server import tier_setup
 from kvtierd.server.chain import TierChain
 from kvtierd.server.gc_tuning import rare_collections
 from kvtierd.server.probes import ProbeSchedule
@@ -222,6 +221,7 @@ class Daemon:
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self.request_stop)
                 signal.signal(signal.SIGINT, self.request_stop)
+            heap_trim.trim()  # the index loads' temporaries: their pages go back (heap_trim: why)
             self._start_threads()
             recovered = event_snapshot.take_for(self.cfg, self.arena.name, self._tier_indexes())
             if self.events.enabled:
