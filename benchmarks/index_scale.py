@@ -6,7 +6,9 @@ All through real ``kvtierd serve`` processes (4 KiB pages, no metrics exporter),
 
 * **Memory per chunk, PUT path**: a daemon's private memory outside the arena and the staging
   mappings (``/proc/<pid>/smaps``: Private_Clean + Private_Dirty of every other mapping) before
-  and after one session PUTs ``--put-chunks`` one-page chunks, divided by the chunks.
+  and after one session PUTs ``--put-chunks`` one-page chunks, divided by the chunks; then the
+  same once the daemon was idle ``REST_S`` (it gives its heap's free pages back after a quiet
+  housekeeping tick, at most every ``heap_trim.IdleTrim.min_interval_s``).
 * **Memory per chunk at ``--chunks``**: a persistent arena's index (SQLite next to the arena in
   /dev/shm) is filled with ``--chunks`` rows (one real PUT gives the tenant; the other rows name
   distinct pages with random keys and checksums: the index is the subject here, their bytes are
@@ -53,12 +55,15 @@ import msgpack
 import zmq
 
 from kvtierd.protocol import PROTOCOL_VERSION, Op
+from kvtierd.server.heap_trim import IdleTrim
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = 4096
 SHM = Path("/dev/shm")
 TARGET_BYTES_PER_CHUNK = 256
+#: Seconds idle before the PUT path's memory is read again: past the idle trim's interval.
+REST_S = IdleTrim().min_interval_s + 1.0
 TARGET_RESTART_S = 3.0
 TARGET_SNAPSHOT_S = 1.5  # a clean restart (upgrade, config change) loads the index snapshot
 TARGET_KEYS_PER_S = 1_000_000
@@ -355,7 +360,7 @@ def nvme(work: Path, root: Path, chunks: int, repeat: int) -> dict:
         shutil.rmtree(empty_dir, ignore_errors=True)
 
 
-def put_path(work: Path, chunks: int) -> dict:
+def put_path(work: Path, chunks: int, rest_s: float) -> dict:
     d = Daemon(work / "put", "--cpu-bytes", str((chunks + 64) * PAGE), "--nvme-bytes", "0")
     try:
         d.start()
@@ -366,9 +371,13 @@ def put_path(work: Path, chunks: int) -> dict:
         put_chunks(sess, [os.urandom(32) for _ in range(chunks)])
         seconds = time.perf_counter() - started
         after = d.private_bytes()
+        out = {"chunks": chunks, "bytes_per_chunk": (after - before) / chunks,
+               "put_chunks_per_s": chunks / seconds}
+        if rest_s > 0:  # the same daemon once idle: it gives its heap's free pages back
+            time.sleep(rest_s)
+            out["rest_bytes_per_chunk"] = (d.private_bytes() - before) / chunks
         sess.close()
-        return {"chunks": chunks, "bytes_per_chunk": (after - before) / chunks,
-                "put_chunks_per_s": chunks / seconds}
+        return out
     finally:
         d.stop()
 
@@ -380,6 +389,9 @@ def print_table(r: dict) -> None:
         if "bytes_per_chunk" in r.get(name, {}):
             rows.append((f"memory per chunk, {what}", f"{r[name]['bytes_per_chunk']:.0f} B",
                          f"{r[name]['chunks']} chunks", f"<= {TARGET_BYTES_PER_CHUNK} B"))
+        if "rest_bytes_per_chunk" in r.get(name, {}):
+            rows.append((f"  the same, idle {REST_S:.0f} s (free heap pages returned)",
+                         f"{r[name]['rest_bytes_per_chunk']:.0f} B", "", ""))
         if "snapshot_bytes_per_chunk" in r.get(name, {}):
             rows.append(("  the same, loaded from the snapshot",
                          f"{r[name]['snapshot_bytes_per_chunk']:.0f} B", "", ""))
@@ -433,7 +445,8 @@ def main() -> int:
     try:
         result = {"quick": args.quick, "cpus": os.cpu_count()}
         if args.only == "all":
-            result["put_path"] = put_path(work, args.put_chunks)
+            result["put_path"] = put_path(work, args.put_chunks,
+                                          0.0 if args.quick else REST_S)
         if args.only in ("all", "restart", "warm"):
             result["warm_arena"] = warm_arena(work, args.chunks, args.repeat,
                                               args.lookup_s if args.only == "all" else 0.0)

@@ -30,15 +30,7 @@ from kvtierd.events import NO_EVENTS, ChainEventsAdapter, EventsCollector, NoEve
 from kvtierd.ghost import GhostCaches, GhostCollector
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.notify import Notifier
-from kvtierd.protocol import (
-    PROTOCOL_VERSION,
-    Op,
-    ProtocolError,
-    Status,
-    pack,
-    reply,
-    unpack,
-)
+from kvtierd.protocol import PROTOCOL_VERSION, Op, ProtocolError, Status, pack, reply, unpack
 from kvtierd.server import envelope, heap_trim, tier_setup
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.admission import Admission
@@ -192,6 +184,7 @@ class Daemon:
         self._stop = threading.Event()
         self._clean_stop = False
         self.probes = ProbeSchedule()
+        self.idle_trim = heap_trim.IdleTrim()
 
     def _wire_events(self) -> None:
         """kv-events hooks: PUT commits with their ``blocks`` (DataOps), every store and drop of
@@ -321,6 +314,7 @@ class Daemon:
 
     def _drain_requests(self) -> None:
         assert self.socket is not None
+        self.idle_trim.served()
         for _ in range(DRAIN_MAX):
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -366,6 +360,7 @@ class Daemon:
         self.metrics.sessions.set(len(self.sessions))
         self.tickets.expire(now)
         self.tier.enforce_watermarks()
+        self.idle_trim.tick(now)  # the heap's free pages back after a busy spell (heap_trim)
         if self.data.waiting:
             self.data.retry_parked()
         self.mover.flush()  # after the retry: the promotions it queued start now, not next tick

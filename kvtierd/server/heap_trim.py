@@ -40,3 +40,33 @@ def trim() -> bool:
         return False
     fn(0)
     return True
+
+
+class IdleTrim:
+    """``trim`` again after the daemon served requests, once it has had a whole housekeeping tick
+    without one, at most every ``min_interval_s``: requests free their temporaries (item lists,
+    entries, replies) into the heap as start-up's loads do (100k chunks stored through PUTs:
+    294 -> 268 B of daemon memory per chunk with it), and a trim walks the heap (0.3-3 ms at
+    100k chunks), so it runs while nobody waits and not after every burst."""
+
+    def __init__(self, min_interval_s: float = 10.0) -> None:
+        self.min_interval_s = min_interval_s
+        self._served = False  # requests since the last trim
+        self._this_tick = False  # requests since the last tick
+        self._last = float("-inf")
+        self.trims = 0
+
+    def served(self) -> None:
+        """Requests were handled (called by the loop when its socket had any)."""
+        self._served = self._this_tick = True
+
+    def tick(self, now: float) -> bool:
+        """Called every housekeeping tick; True when it trimmed."""
+        if self._this_tick:
+            self._this_tick = False
+            return False
+        if not self._served or now - self._last < self.min_interval_s:
+            return False
+        self._served, self._last = False, now
+        self.trims += 1
+        return trim()

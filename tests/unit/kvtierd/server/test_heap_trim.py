@@ -39,3 +39,17 @@ def test_trim_returns_the_free_pages_of_a_fragmented_heap():
     before, after = map(int, done.stdout.split())
     # ~112 MiB freed but resident until the trim; the kept 1/16 and the interpreter remain.
     assert before - after > 64 * 1024, (before, after)
+
+
+def test_idle_trim_waits_for_an_idle_tick_after_requests_and_keeps_its_interval():
+    idle = heap_trim.IdleTrim(min_interval_s=10.0)
+    assert not idle.tick(0.0), "nothing served yet: nothing to give back"
+    idle.served()
+    assert not idle.tick(0.1), "requests during this tick: not now"
+    trimmed = idle.tick(0.2)  # a whole tick without requests
+    assert idle.trims == 1 and trimmed == (heap_trim._malloc_trim() is not None)
+    assert not idle.tick(0.3) and idle.trims == 1, "idle since the trim: nothing new to free"
+    idle.served()
+    assert not idle.tick(5.0) and not idle.tick(5.1) and idle.trims == 1, "within the interval"
+    idle.tick(10.3)
+    assert idle.trims == 2
