@@ -1,6 +1,7 @@
 """KVTierClient store/load on the CPU path against the copies it cannot avoid, in the same run.
 
-    .venv/bin/python benchmarks/client_path.py [--rounds N] [--json out.json] [--quick]
+    .venv/bin/python benchmarks/client_path.py [--rounds N] [--piece-bytes B] [--json out.json]
+                                               [--quick]
 
 A Llama-like layout (32 layers, one group, random block ids: a real block table is a permutation)
 is stored and loaded through a real daemon by ``KVTierClient``. The ceiling is the same bytes moved
@@ -12,7 +13,12 @@ The client may beat it: it overlaps its copy of one piece with the daemon's copy
 The machine is shared and noisy, so every round measures all four (store, load, gather, copy) back
 to back and the ratios are taken per round: ``store/ceil`` is the median over rounds of
 ``(gather + copy) / store`` from the same round, and its min..max is shown. Also shown: the torch
-reference gather/scatter (``copies``) over the same batch, best of the rounds. Target (issue 12):
+reference gather/scatter (``copies``) over the same batch, best of the rounds; ``overlap``, the
+gather and the daemon's copy run at once on two threads against one after the other (~1x: one
+memory bus, nothing to win by overlapping them); and ``vs serial``, the client against the gather
+plus the daemon's own PUT / GET of the same bytes through a raw session (staging already filled):
+what the client library adds to its two parts, as against what the daemon's PUT costs over a
+memcpy (its checksum, its round trip). Target (issue 12):
 store and load >= 0.8x the ceiling. Nothing asserts; the table is printed, and written as JSON to
 ``--json`` (default ``benchmarks/results/client_path.json``). ``--quick`` runs tiny sizes, one
 round: a smoke test of the script, not a measurement.
@@ -37,6 +43,9 @@ import torch
 from kvtier_client import KVGroup, KVLayout, KVTierClient, host_copies
 from kvtier_client.copies import CopyUnit, build_page_tables, gather, scatter
 from kvtier_client.planner import Chunk
+from kvtierd.protocol import Op
+from kvtierd.sizes import parse_size
+from raw_session import Session
 
 CASES = {  # name: (page bytes, blocks per chunk) -> chunk = layers * bpc * page
     "256KiB": (8 * 1024, 1),
@@ -71,7 +80,7 @@ class Case:
     """One chunk size: a client on its own KV cache, and the ceiling's copies of the same batch."""
 
     def __init__(self, address: str, page: int, bpc: int, layers: int, blocks: int,
-                 batch_bytes: int) -> None:
+                 batch_bytes: int, piece_bytes: int | None = None) -> None:
         names = tuple(f"model.layers.{i}" for i in range(layers))
         self.layout = KVLayout(
             groups=[KVGroup(tokens_per_block=16, page_bytes=page, layer_names=names)],
@@ -83,10 +92,12 @@ class Case:
         self.perm = np.random.default_rng(0).permutation(blocks)
         self.total = self.count * self.chunk_bytes
         self.client = KVTierClient.connect(address, layout=self.layout, kv_caches=self.kv,
-                                           staging_bytes=self.total + 4096)
+                                           staging_bytes=self.total + 4096,
+                                           piece_bytes=piece_bytes)
         self.round = 0
         self.stored: list[Chunk] = []
         self._ceiling_setup(page, bpc, layers)
+        self.raw = Session(address, self.total, namespace=f"raw-{page}-{bpc}")
 
     def _ids(self, i: int, bpc: int) -> tuple[int, ...]:
         return tuple(int(b) for b in self.perm[i * bpc:(i + 1) * bpc])
@@ -131,6 +142,17 @@ class Case:
     def daemon_copy(self) -> None:
         ctypes.memmove(self.arena.data_ptr(), self.staging.data_ptr(), self.total)
 
+    def raw_items(self) -> list[list]:
+        tag = b"raw%d-" % self.round
+        return [[tag + i.to_bytes(4, "big"), i * self.chunk_bytes, self.chunk_bytes]
+                for i in range(self.count)]
+
+    def daemon_put(self) -> None:  # the daemon alone: the same chunks, staging already filled
+        assert not any(self.raw.call(Op.PUT, items=self.raw_items())["results"]), "raw PUT"
+
+    def daemon_get(self) -> None:
+        assert not any(self.raw.call(Op.GET, items=self.raw_items())["results"]), "raw GET"
+
     def both_at_once(self) -> None:
         """The gather and the daemon's copy at the same time, on two threads (both run without
         the GIL): what perfect overlap of the two could reach on this machine. Where it takes as
@@ -143,7 +165,8 @@ class Case:
     def round_times(self) -> dict[str, float]:
         return {"store": timed(self.store), "load": timed(self.load),
                 "gather": timed(self.page_gather), "copy": timed(self.daemon_copy),
-                "gather_py": timed(self.page_gather_py), "both": timed(self.both_at_once)}
+                "gather_py": timed(self.page_gather_py), "both": timed(self.both_at_once),
+                "daemon_put": timed(self.daemon_put), "daemon_get": timed(self.daemon_get)}
 
     def torch_times(self) -> dict[str, float]:
         return {"torch_gather": timed(lambda: gather(self.tables, self.units, self.staging)),
@@ -151,13 +174,14 @@ class Case:
 
 
 def bench_case(address: str, page: int, bpc: int, rounds: int, layers: int, blocks: int,
-               batch_bytes: int) -> dict:
-    case = Case(address, page, bpc, layers, blocks, batch_bytes)
+               batch_bytes: int, piece_bytes: int | None = None) -> dict:
+    case = Case(address, page, bpc, layers, blocks, batch_bytes, piece_bytes)
     try:
         case.round_times()  # warm: first touches, first session
         per_round = [case.round_times() for _ in range(rounds)]
     finally:
         case.client.close()
+        case.raw.close()
     torch_best = {k: min(t[k] for t in [case.torch_times() for _ in range(min(rounds, 3))])
                   for k in ("torch_gather", "torch_scatter")}
     gb = case.total / 1e9
@@ -181,6 +205,13 @@ def bench_case(address: str, page: int, bpc: int, rounds: int, layers: int, bloc
         # (gather + copy) / both at once: ~1 where the two copies cannot overlap (one memory bus)
         "overlap_gain": statistics.median(
             (r["gather"] + r["copy"]) / r["both"] for r in per_round),
+        # against the page copy plus the daemon's own PUT / GET of the same bytes (what a call
+        # costs when, as here, the two cannot overlap): what the client library itself adds
+        "store_ratio_serial": statistics.median(
+            (r["gather"] + r["daemon_put"]) / r["store"] for r in per_round),
+        "load_ratio_serial": statistics.median(
+            (r["gather"] + r["daemon_get"]) / r["load"] for r in per_round),
+        "daemon_put_gbs": gb / best["daemon_put"], "daemon_get_gbs": gb / best["daemon_get"],
         "torch_gather_gbs": gb / torch_best["torch_gather"],
         "torch_scatter_gbs": gb / torch_best["torch_scatter"],
     }
@@ -188,7 +219,8 @@ def bench_case(address: str, page: int, bpc: int, rounds: int, layers: int, bloc
 
 def print_table(results: dict) -> None:
     print(f"{'chunk':<8}{'store GB/s':>11}{'load GB/s':>10}{'ceiling':>8}{'store/ceil':>18}"
-          f"{'load/ceil':>18}{'vs py ceil s/l':>15}{'torch g/s':>10}{'overlap':>8}")
+          f"{'load/ceil':>18}{'vs py ceil s/l':>15}{'torch g/s':>10}{'overlap':>8}"
+          f"{'vs serial s/l':>14}{'daemon put/get GB/s':>20}")
     for name, r in results.items():
         s_lo, s_hi = r["store_ratio_range"]
         l_lo, l_hi = r["load_ratio_range"]
@@ -197,11 +229,15 @@ def print_table(results: dict) -> None:
               f"{r['load_ratio']:>6.2f}x ({l_lo:.2f}-{l_hi:.2f})"
               f"{r['store_ratio_py_ceiling']:>8.2f}/{r['load_ratio_py_ceiling']:.2f}x"
               f"{r['torch_gather_gbs']:>5.2f}/{r['torch_scatter_gbs']:.2f}"
-              f"{r['overlap_gain']:>7.2f}x")
+              f"{r['overlap_gain']:>7.2f}x"
+              f"{r['store_ratio_serial']:>8.2f}/{r['load_ratio_serial']:.2f}x"
+              f"{r['daemon_put_gbs']:>13.2f}/{r['daemon_get_gbs']:.2f}")
     print("ratios: median over rounds of (page gather + daemon copy) / client time, same round, "
           "(min-max); py ceil: the page gather as a Python loop of ctypes.memmove; GB/s: best;\n"
           "overlap: (gather + copy) / both run at once on two threads, median: near 1x, the two "
-          "copies share one memory bus and no pipelining can beat the ceiling")
+          "copies share one memory bus and no pipelining can beat the ceiling;\n"
+          "vs serial: (page gather + the daemon's own PUT / GET of the same bytes, raw session) / "
+          "client time, median: what the client library adds to its two parts")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--piece-bytes", type=parse_size, default=None,
+                        help="the client's piece size (default: the client's own, one piece "
+                             "per call on host caches), e.g. 8MiB to compare")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, one round: checks the script, measures nothing")
     args = parser.parse_args(argv)
@@ -218,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvtierd-bench-") as tmp:
         proc, address = start_daemon(Path(tmp))
         try:
-            results = {name: bench_case(address, page, bpc, args.rounds, layers, blocks, batch)
+            results = {name: bench_case(address, page, bpc, args.rounds, layers, blocks, batch,
+                                        args.piece_bytes)
                        for name, (page, bpc) in cases.items()}
         finally:
             proc.terminate()

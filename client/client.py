@@ -61,8 +61,8 @@ class KVTierClient:
     ) -> None:
         if piece_bytes is not None and piece_bytes <= 0:
             raise ValueError(f"piece_bytes={piece_bytes}; allowed: a positive size, or None for "
-                             "about 8 MiB (pipeline.piece_target)")
-        self._piece_bytes = piece_bytes  # bytes per request; None: pipeline.piece_target
+                             "the default (pipeline.piece_target, host_piece_target)")
+        self._piece_bytes = piece_bytes  # bytes per request; None: the path's default
         self.layout = layout
         self.namespace = namespace or layout.namespace
         self._tables = build_page_tables(layout, kv_caches)
@@ -256,7 +256,9 @@ class KVTierClient:
     def _pieces(self, chunks: list[Chunk]) -> list[pipeline.Piece]:
         """The call's chunks as staging pieces (``pipeline.plan``), with the session's limits."""
         total = sum(self.layout.chunk_nbytes(c.group) for c in chunks)
-        target = self._piece_bytes or pipeline.piece_target(total, self.staging_bytes)
+        target = self._piece_bytes or (
+            pipeline.host_piece_target(total, self.staging_bytes) if self._host is not None
+            else pipeline.piece_target(total, self.staging_bytes))
         return pipeline.plan(chunks, lambda c: self.layout.chunk_nbytes(c.group),
                              self.staging_bytes, target, self._limits.get("max_batch", 1024))
 

@@ -4,7 +4,9 @@ the daemon's copy of the previous one.
 A store gathers piece k+1 into staging while the daemon copies piece k out of it; a load scatters
 piece k while the daemon copies piece k+1 in. Both sides run at once (the daemon's copies and the
 client's compiled copies release the GIL, and they are different processes), so a call takes about
-the longer of the two copies instead of their sum.
+the longer of the two copies instead of their sum. That holds for GPU caches; on host caches the
+two copies share the memory bus, and a call is one piece when staging holds it
+(``host_piece_target``).
 
 Planning (``plan``): chunks keep their order and are laid out in staging as a ring: each piece is a
 contiguous range of whole chunks (a chunk is one PUT/GET item, never split), at most ``max_items``
@@ -56,6 +58,17 @@ def piece_target(total_bytes: int, staging_bytes: int) -> int:
     most half the buffer (so that two pieces fit in it at once)."""
     want = min(PIECE_BYTES, max(MIN_PIECE_BYTES, -(-total_bytes // MIN_PIECES)))
     return max(1, min(want, staging_bytes // 2))
+
+
+def host_piece_target(total_bytes: int, staging_bytes: int) -> int:
+    """The CPU path's piece (KV caches in host memory): the whole call, or as much of it as the
+    staging buffer holds. There the gather and the daemon's copy share one memory bus: run at once
+    they take as long as one after the other (``benchmarks/client_path.py``'s overlap column:
+    0.93-1.13x), so cutting a call in pieces buys no overlap and costs a round trip and a batch
+    per piece. Measured there (32 MiB calls, 15 rounds per size, sizes alternated): load / ceiling
+    0.62-0.71x with 8 MiB pieces against 0.76-0.84x with one, store 0.47-0.58x against 0.56-0.58x.
+    A GPU gather (DMA into pinned staging) does overlap the daemon's copy: ``piece_target``."""
+    return max(1, min(total_bytes, staging_bytes))
 
 
 def plan(chunks: Sequence[Chunk], nbytes_of: Callable[[Chunk], int], staging_bytes: int,

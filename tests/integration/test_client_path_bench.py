@@ -24,9 +24,11 @@ def test_quick_run_prints_the_table_and_writes_every_figure(tmp_path):
     for case in result["cases"].values():
         assert case["batch_bytes"] % case["chunk_bytes"] == 0 and case["batch_bytes"] > 0
         for key in ("store_ratio", "load_ratio", "store_gbs", "load_gbs", "ceiling_gbs",
-                    "torch_gather_gbs", "torch_scatter_gbs", "overlap_gain"):
+                    "torch_gather_gbs", "torch_scatter_gbs", "overlap_gain",
+                    "store_ratio_serial", "load_ratio_serial", "daemon_put_gbs",
+                    "daemon_get_gbs"):
             assert case[key] > 0, key
         lo, hi = case["store_ratio_range"]
         assert lo <= case["store_ratio"] <= hi
         assert set(case["rounds"][0]) == {"store", "load", "gather", "copy", "gather_py",
-                                           "both"}
+                                           "both", "daemon_put", "daemon_get"}

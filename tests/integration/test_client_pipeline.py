@@ -50,15 +50,19 @@ def staging_for(layout: KVLayout, chunks: int) -> int:
     return align(max(layout.chunk_nbytes(g) for g in range(len(layout.groups)))) * chunks
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["host-default", "half-staging-pieces"])
 @pytest.mark.parametrize("staging_chunks", [2, 3, 7])
-def test_calls_far_larger_than_staging_store_and_load_every_byte(daemon, staging_chunks):
+def test_calls_far_larger_than_staging_store_and_load_every_byte(daemon, staging_chunks, halves):
+    """Host caches: by default a piece fills staging (one in flight at a time); with pieces of
+    half the buffer two are in flight, the next gathered while the daemon copies the last."""
     rng = random.Random(staging_chunks)
     layout = two_groups()
     kv = random_kv(layout, BLOCKS, torch.Generator().manual_seed(staging_chunks))
     chunks = random_chunks(layout, rng)  # 80 chunks: the ring laps >= 10 times
     expected = {c.key: chunk_pages(layout, kv, c) for c in chunks}
-    with KVTierClient.connect(daemon.address, layout=layout, kv_caches=kv,
-                              staging_bytes=staging_for(layout, staging_chunks)) as client:
+    staging = staging_for(layout, staging_chunks)
+    with KVTierClient.connect(daemon.address, layout=layout, kv_caches=kv, staging_bytes=staging,
+                              piece_bytes=staging // 2 if halves else None) as client:
         assert client.store(chunks).result(timeout=60) == [True] * len(chunks)
         poison(kv)
         rng.shuffle(chunks)  # another order than the store's: other pieces, other offsets
@@ -101,8 +105,9 @@ def test_a_daemon_that_allows_one_batch_in_flight_gets_one(daemon_factory, tmp_p
     kv = random_kv(layout, (32,), torch.Generator().manual_seed(9))
     chunks = random_chunks(layout, random.Random(9), (32,))
     expected = {c.key: chunk_pages(layout, kv, c) for c in chunks}
-    with KVTierClient.connect(d.address, layout=layout, kv_caches=kv,
-                              staging_bytes=staging_for(layout, 6)) as client:
+    with KVTierClient.connect(d.address, layout=layout, kv_caches=kv,  # two pieces in flight
+                              staging_bytes=staging_for(layout, 6),
+                              piece_bytes=staging_for(layout, 3)) as client:
         for _ in range(3):  # a BUSY piece would fail the call (DaemonError)
             assert all(client.store(chunks).result(timeout=60))
             poison(kv)

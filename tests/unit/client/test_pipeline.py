@@ -48,6 +48,15 @@ def test_a_piece_that_would_pass_the_end_starts_the_ring_again_at_zero():
     assert [p.start for p in pieces] == [0, 1024, 0, 1024, 0]
 
 
+def test_host_piece_target_is_the_whole_call_or_the_whole_buffer():
+    mib = 1024**2
+    assert pipeline.host_piece_target(32 * mib, 32 * mib + 4096) == 32 * mib
+    assert pipeline.host_piece_target(100, 64 * mib) == 100
+    assert pipeline.host_piece_target(256 * mib, 64 * mib) == 64 * mib
+    pieces = plan([mib] * 8, staging=8 * mib, piece=pipeline.host_piece_target(8 * mib, 8 * mib))
+    assert len(pieces) == 1 and pieces[0].end == 8 * mib
+
+
 def test_piece_target_cuts_small_calls_and_leaves_two_pieces_room_in_staging():
     mib = 1024**2
     assert pipeline.piece_target(64 * mib, 64 * mib) == pipeline.PIECE_BYTES
