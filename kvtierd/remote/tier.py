@@ -184,8 +184,15 @@ class RemoteTier(LowerTier):
         (a LOOKUP's first pass, before its check) is one C loop."""
         known = self.known
         records = list(map(known.get, ikeys))
-        if records.count(None) == len(records):
+        misses = records.count(None)
+        if misses == len(records):
             return [MISS_ANSWER] * len(records)
+        if not entries and misses + records.count(fingerprint) == len(records):
+            # only misses and records of this layout (a LOOKUP's second pass): C loops
+            found = [r is not None for r in records]
+            for _ in map(known.move_to_end, compress(ikeys, found)):
+                pass
+            return [_HIT_ANSWER if hit else MISS_ANSWER for hit in found]
         if entries:
             return [MISS_ANSWER if r is None else self.lookup(k, fingerprint)
                     for k, r in zip(ikeys, records)]
