@@ -243,7 +243,7 @@ class RemoteTier(LowerTier):
         where it is), enters ``known`` last as its fingerprint (within ``known_keys``, the
         oldest out first).
 
-        Written as whole-batch calls (``compress``, ``map``, ``update``) rather than a loop
+        Written as whole-batch calls (``compress``, ``map``, ``setdefault``) rather than a loop
         over the keys: the loop (an entry built per hit) cost more than Mooncake's own
         ``batch_is_exist`` (benchmarks/remote_tier.py)."""
         if found is None:
@@ -266,11 +266,16 @@ class RemoteTier(LowerTier):
         else:
             hits = list(ikeys)
             absent.discard(hits)
-        if known.keys().isdisjoint(hits):  # all new here (the common case): C loops
-            known.update(zip(hits, repeat(fingerprint)))
+        before = len(known)
+        for _ in map(known.setdefault, hits, repeat(fingerprint)):  # new ones last; a C loop
+            pass
+        added = len(known) - before
+        if added == len(hits):  # all new here (the common case)
             self._bound_known()
-        else:  # key by key, in order (rare): a record of another layout is replaced, last
-            for ikey in hits:
+        else:  # some held (or repeated): undo the additions (the last ones), then key by key
+            for _ in range(added):
+                known.popitem(last=True)
+            for ikey in hits:  # in order: a record of another layout is replaced, last
                 current = known.get(ikey)
                 if current is None:
                     known[ikey] = fingerprint
