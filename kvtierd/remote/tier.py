@@ -6,12 +6,10 @@ existence check found, and asks the store about every other key of a LOOKUP (``u
 ``exists_job``). A known object's size may be unknown (found by an existence check): the reader's
 size is used, and an object of another size is a miss, never bytes.
 
-An object only an existence check found is remembered as its fingerprint (a ``str`` in
-``known``), not as a ``ChunkEntry``: a 1024-key check built one entry per hit, which cost more than
-Mooncake's ``batch_is_exist`` itself (benchmarks/remote_tier.py). The entry (nbytes 0, READY) is
-built, in the record's place, when something needs one: a LOOKUP that leases it, a GET that
-promotes it, a PUT's ``peek``, a DELETE. A LOOKUP that leases nothing answers without it
-(``lookup_many`` with ``entries=False``).
+An object only an existence check found is remembered as its fingerprint (a ``str`` in ``known``):
+an entry per hit of a 1024-key check cost more than Mooncake's ``batch_is_exist`` itself. The entry
+(nbytes 0, READY) is built in the record's place when needed (a leasing LOOKUP, a GET's promotion,
+``peek``, DELETE); a LOOKUP that leases nothing answers without it (``lookup_many``).
 
 Every object is named and headed by ``kvtierd.remote.objects``; every read checks the header
 (format version, tenant, fingerprint, name, length) and the payload's xxh3-128 before the chain
@@ -27,8 +25,7 @@ Reads are batched (``read_batch_job``, ``batched_reads``): the chain hands the t
 promotions of one loop iteration (one GET, a parked retry) as one job, read with one
 ``batch_get_into_multi_buffers`` per ``max_batch`` objects and verified object by object (on a
 verifier thread, while the next batch is on the wire), so a missing or corrupt object is a miss
-for its item only. One call per chunk cost a round trip each
-(fetch was 0.26-0.50x of Mooncake's own batched client).
+for its item only. One call per chunk cost a round trip each (fetch was 0.26-0.50x of Mooncake's).
 
 Connection: the first job connects (blocking, on an I/O thread, never at start on the loop): a
 daemon whose master is down starts and serves its local tiers; each failed attempt raises
@@ -56,14 +53,8 @@ from kvtierd.remote.mooncake import MooncakeStore, RemoteSetupError
 from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments
-from kvtierd.tiers.lower import (
-    MISS_ANSWER,
-    IntegrityError,
-    Job,
-    LowerTier,
-    TierUnavailable,
-    detached,
-)
+from kvtierd.tiers.lower import MISS_ANSWER, IntegrityError, Job, LowerTier, TierUnavailable
+from kvtierd.tiers.lower import detached
 
 
 #: How long an existence check's "absent" answer is trusted (another node may publish it since).
@@ -215,6 +206,18 @@ class RemoteTier(LowerTier):
             return self._entry(ikey, record)  # type: ignore[arg-type]
         return record  # type: ignore[return-value]
 
+    def holds(self, ikey: Hashable, checksum: bytes) -> bool:
+        """``LowerTier.holds`` without building an entry for a record (asked for every CPU
+        victim): a record's checksum is unknown (its entry's would be ``b""``)."""
+        if ikey in self.pending:
+            return False  # PENDING: not a copy yet
+        record = self.known.get(ikey)
+        if record is None:
+            return False
+        if record.__class__ is str:
+            return checksum == b""
+        return record.state is ChunkState.READY and record.checksum == checksum  # type: ignore
+
     def _entry(self, ikey: Hashable, fingerprint: str) -> ChunkEntry:
         """The entry of an object known only from an existence check, built in its record's
         place (its LRU position kept): READY, size unknown (0, the reader's size is used)."""
@@ -225,9 +228,8 @@ class RemoteTier(LowerTier):
     def unknown(self, ikeys: Sequence[Hashable]) -> list[Hashable]:
         """Keys not being written here and not found absent in the last ``ABSENT_TTL_S``: an
         engine asking about the same missing prefix every step asks the master once a second."""
-        absent = self._absent
-        absent.prune(self.clock())
-        pending = self.pending
+        self._absent.prune(self.clock())
+        absent, pending = self._absent.check_of, self.pending  # plain dicts: ``in`` stays in C
         if not pending:
             return [k for k in ikeys if k not in absent]
         return [k for k in ikeys if k not in pending and k not in absent]
@@ -239,13 +241,9 @@ class RemoteTier(LowerTier):
     def exists_done(self, ikeys: Sequence[Hashable], fingerprint: str,
                     found: list[bool] | None) -> None:
         """Record a check's answer: the absent keys in ``_absent`` until this check's expiry;
-        each hit leaves ``_absent`` and, unless ``known`` holds it for this layout already (left
-        where it is), enters ``known`` last as its fingerprint (within ``known_keys``, the
-        oldest out first).
-
-        Written as whole-batch calls (``compress``, ``map``, ``setdefault``) rather than a loop
-        over the keys: the loop (an entry built per hit) cost more than Mooncake's own
-        ``batch_is_exist`` (benchmarks/remote_tier.py)."""
+        each hit leaves ``_absent`` and, unless held for this layout already (left where it is),
+        enters ``known`` last as its fingerprint (within ``known_keys``, oldest out first). Whole-
+        batch C calls, not a loop over the keys: the loop cost more than ``batch_is_exist``."""
         if found is None:
             return
         known, absent = self.known, self._absent

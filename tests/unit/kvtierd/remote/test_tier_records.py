@@ -62,12 +62,16 @@ def test_an_existence_hit_is_a_record_until_something_needs_its_entry() -> None:
     assert t.lookup_many(keys[:2], "fp") == [(Status.OK, entry), (Status.OK, t.known[keys[1]])]
     assert isinstance(t.known[keys[1]], ChunkEntry)  # entries=True builds it
     assert list(t.known) == [keys[2], keys[0], keys[1]]  # lookups touch (LRU)
+    # a CPU victim's copy is never one whose checksum nobody knows (and asking builds nothing)
+    assert not t.holds(keys[2], b"\x01" * 16) and type(t.known[keys[2]]) is str
+    written(t, key(8), 100)
+    assert t.holds(key(8), b"\x01" * 16) and not t.holds(key(8), b"\x02" * 16)
     # a PUT's peek sees it as held; DELETE removes it as an entry (the chain hears of it)
     assert t.peek(keys[2]).state is ChunkState.READY and t.known[keys[2]] is t.peek(keys[2])
     t.exists_done([key(9)], "fp", [True])
     assert t.delete(key(9)) is Status.OK
     assert [e.ikey for e in t.dropped] == [key(9)] and t.take_deletions() == t.dropped
-    assert t.stats()["used_bytes"] == 0
+    assert t.stats()["used_bytes"] == 100
     t.check_invariants()
 
 
