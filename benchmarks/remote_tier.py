@@ -1,6 +1,7 @@
 """kvtierd's remote tier against Mooncake's own Python client, on one real Mooncake Store.
 
     .venv/bin/python benchmarks/remote_tier.py [--bytes 256MiB] [--rounds 3] [--quick]
+                                               [--only transfers|lookup]
 
 One run starts a Mooncake Store in a private network namespace (``mooncake_master`` + a
 ``mooncake_client`` store process lending the memory, so bytes cross a process boundary over TCP
@@ -21,7 +22,8 @@ as to another node; ``tests/helpers/mooncake.py``) and, interleaved round by rou
   (names + ``batch_is_exist`` + recording the answer) against the raw ``batch_is_exist``.
 
 The best round counts for each side, and the median of each round's own ratio (steadier on a
-shared machine). Target (issue 13): kvtierd / Mooncake >= 0.8 both ways. Nothing
+shared machine). ``--only`` runs one half (``lookup``: no transfers, a small store; to iterate on
+the existence check). Target (issue 13): kvtierd / Mooncake >= 0.8 both ways. Nothing
 asserts; the table is printed and the numbers written as JSON (``--json``). ``--quick`` runs tiny
 sizes for the smoke test (its numbers mean nothing).
 """
@@ -165,7 +167,9 @@ def lookup_latency(tier: RemoteTier, client, ns, reps: int) -> list[dict]:
 
 def run(args: argparse.Namespace) -> dict:
     nbytes = parse_size(args.bytes)
-    sizes = list(SIZES)
+    sizes = [] if args.only == "lookup" else list(SIZES)
+    if args.only == "lookup":
+        nbytes = 4 * 1024**2  # the arena and the store only need room for the lookup's objects
     region = peer.Region(2 * nbytes)
     # the second half holds the read targets, each with a spare page for the trailing header
     arena = Arena(f"kvtierd-bench-remote-{os.getpid()}", 2 * nbytes + nbytes // 2, prefault=True,
@@ -208,7 +212,8 @@ def run(args: argparse.Namespace) -> dict:
                     row["rounds"] = [{"mooncake": m, "kvtierd": o, "mooncake_verified": c}
                                      for m, o, c in zip(raw, ours, checked)]
                     results["sizes"][str(size)] = row
-                results["lookup"] = lookup_latency(tier, client, master.ns, args.lookup_reps)
+                if args.only != "transfers":
+                    results["lookup"] = lookup_latency(tier, client, master.ns, args.lookup_reps)
             finally:
                 with master.ns.entered():
                     tier.close()
@@ -221,6 +226,16 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def print_table(results: dict) -> None:
+    if results["sizes"]:
+        _print_transfers(results)
+    if "lookup" not in results:
+        return
+    print(f"\n{'lookup keys':>11} {'mooncake ms':>12} {'kvtierd ms':>11}")
+    for row in results["lookup"]:
+        print(f"{row['keys']:>11} {row['mooncake_ms']:>12.3f} {row['kvtierd_ms']:>11.3f}")
+
+
+def _print_transfers(results: dict) -> None:
     print(f"\nremote tier vs Mooncake's Python client, {results['bytes']} bytes per size, best of "
           f"{results['rounds']} interleaved rounds (shared machine: compare ratios)")
     print(f"{'chunk':>8} {'way':>6} {'mooncake GB/s':>14} {'kvtierd GB/s':>13} {'ratio':>6} "
@@ -239,9 +254,6 @@ def print_table(results: dict) -> None:
               f"{checked['load_ratio_median']:>21.2f}")
     print("mooncake + xxh3: its client hashing each batch it got (kvtierd verifies every object "
           "it fetches: the ceiling of a client that checks its bytes)")
-    print(f"\n{'lookup keys':>11} {'mooncake ms':>12} {'kvtierd ms':>11}")
-    for row in results["lookup"]:
-        print(f"{row['keys']:>11} {row['mooncake_ms']:>12.3f} {row['kvtierd_ms']:>11.3f}")
 
 
 def main() -> int:
@@ -255,6 +267,8 @@ def main() -> int:
     parser.add_argument("--workdir", default=str(REPO / "benchmarks/results/remote_tier"))
     parser.add_argument("--json", default=str(REPO / "benchmarks/results/remote_tier.json"))
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--only", choices=("transfers", "lookup"), default=None,
+                        help="run only the GB/s rounds or only the lookup latency (default: both)")
     args = parser.parse_args()
     if args.quick:
         args.bytes, args.rounds, args.lookup_reps = "4MiB", 1, 2

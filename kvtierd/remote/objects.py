@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import struct
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Hashable, Sequence
 from urllib.parse import quote
 
@@ -43,6 +44,7 @@ FORMAT_VERSION = 2
 _HEADER = struct.Struct("<4sHHIQ16s16s16s16s")
 HEADER_BYTES = _HEADER.size  # 84
 PREFIX = "kvtierd"
+_SPACE, _KEY = itemgetter(0), itemgetter(1)  # of an ikey (space, key)
 
 
 class HeaderMismatch(Exception):
@@ -77,8 +79,19 @@ def object_name(cluster_id: str, ikey: Hashable, fingerprint: str) -> str:
 
 
 def object_names(cluster_id: str, ikeys: Sequence[Hashable], fingerprint: str) -> list[str]:
-    """``object_name`` of each key, the space prefix worked out once per space (a LOOKUP's keys
-    share one)."""
+    """``object_name`` of each key, the space prefix worked out once per space.
+
+    A LOOKUP's keys share one space (the same tuple object): that is checked in C
+    (``list.count`` compares identity first) and the names are one concatenation per key,
+    without the per-key ``bytes()`` copy and prefix look-up (they were most of a 1024-key
+    existence check's own cost, benchmarks/remote_tier.py)."""
+    if not ikeys:
+        return []
+    spaces = list(map(_SPACE, ikeys))
+    if spaces.count(spaces[0]) == len(spaces):
+        tenant, namespace, rank = spaces[0]
+        prefix = _space_prefix(cluster_id, tenant, namespace, int(rank), fingerprint)
+        return [prefix + key.hex() for key in map(_KEY, ikeys)]
     prefixes: dict[Hashable, str] = {}
     out = []
     for space, key in ikeys:  # type: ignore[misc]

@@ -6,6 +6,11 @@ existence check found, and asks the store about every other key of a LOOKUP (``u
 ``exists_job``). A known object's size may be unknown (found by an existence check): the reader's
 size is used, and an object of another size is a miss, never bytes.
 
+An object only an existence check found is remembered as its fingerprint (a ``str`` in ``known``):
+an entry per hit of a 1024-key check cost more than Mooncake's ``batch_is_exist`` itself. The entry
+(nbytes 0, READY) is built in the record's place when needed (a leasing LOOKUP, a GET's promotion,
+``peek``, DELETE); a LOOKUP that leases nothing answers without it (``lookup_many``).
+
 Every object is named and headed by ``kvtierd.remote.objects``; every read checks the header
 (format version, tenant, fingerprint, name, length) and the payload's xxh3-128 before the chain
 may commit the arena copy: a mismatch raises ``IntegrityError`` (the chain drops the entry, which
@@ -20,8 +25,7 @@ Reads are batched (``read_batch_job``, ``batched_reads``): the chain hands the t
 promotions of one loop iteration (one GET, a parked retry) as one job, read with one
 ``batch_get_into_multi_buffers`` per ``max_batch`` objects and verified object by object (on a
 verifier thread, while the next batch is on the wire), so a missing or corrupt object is a miss
-for its item only. One call per chunk cost a round trip each
-(fetch was 0.26-0.50x of Mooncake's own batched client).
+for its item only. One call per chunk cost a round trip each (fetch was 0.26-0.50x of Mooncake's).
 
 Connection: the first job connects (blocking, on an I/O thread, never at start on the loop): a
 daemon whose master is down starts and serves its local tiers; each failed attempt raises
@@ -36,21 +40,34 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from itertools import compress, repeat
+from operator import not_
+from typing import Hashable, Sequence, Union
 
 from kvtierd.config_remote import RemoteConfig
 from kvtierd.copy.memcpy import checksum as payload_checksum
 from kvtierd.protocol import Status, Tier
 from kvtierd.remote import objects
+from kvtierd.remote.absent import AbsentCache
 from kvtierd.remote.mooncake import MooncakeStore, RemoteSetupError
 from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments
-from kvtierd.tiers.lower import IntegrityError, Job, LowerTier, TierUnavailable, detached
+from kvtierd.tiers.lower import MISS_ANSWER, IntegrityError, Job, LowerTier, TierUnavailable
+from kvtierd.tiers.lower import detached
 
 
 #: How long an existence check's "absent" answer is trusted (another node may publish it since).
 ABSENT_TTL_S = 1.0
+
+#: What ``RemoteTier.known`` holds per key: the entry, or (found only by an existence check, no
+#: entry built yet) the object's layout fingerprint.
+Known = Union[ChunkEntry, str]
+_HIT_ANSWER: tuple[Status, ChunkEntry | None] = (Status.OK, None)  # lookup_many, entries=False
+
+
+def _fingerprint(record: Known) -> str:
+    return record if record.__class__ is str else record.fingerprint  # type: ignore
 
 
 class RemoteMiss(Exception):
@@ -102,10 +119,10 @@ class RemoteTier(LowerTier):
         self.retry_s = cfg.retry_s
         self.io_threads = cfg.io_threads  # its own pool: see LowerTier.io_threads
         self.on_drop = lambda entry: None
-        self.known: OrderedDict[Hashable, ChunkEntry] = OrderedDict()
+        self.known: OrderedDict[Hashable, Known] = OrderedDict()
         self.pending: dict[Hashable, ChunkEntry] = {}
-        # Keys an existence check found absent, with when to ask again (insertion = expiry order).
-        self._absent: OrderedDict[Hashable, float] = OrderedDict()
+        # Keys an existence check found absent, with when to ask again.
+        self._absent = AbsentCache(cfg.known_keys)
         self.clock = time.monotonic
         self._deletions: list[ChunkEntry] = []
         self._used_bytes = 0
@@ -137,23 +154,85 @@ class RemoteTier(LowerTier):
 
     # -- lookups -----------------------------------------------------------------------------------
     def lookup(self, ikey: Hashable, fingerprint: str) -> tuple[Status, ChunkEntry | None]:
-        entry = self.known.get(ikey)
-        if entry is None or entry.fingerprint != fingerprint or entry.doomed:
-            return Status.MISS, None  # another layout's object has another name: a plain miss
+        record = self.known.get(ikey)
+        if record is None:
+            return Status.MISS, None
+        if record.__class__ is str:
+            if record != fingerprint:
+                return Status.MISS, None  # another layout's object has another name: a miss
+            entry = self._entry(ikey, record)
+        else:
+            entry = record  # type: ignore[assignment]
+            if entry.fingerprint != fingerprint or entry.doomed:
+                return Status.MISS, None
         self.known.move_to_end(ikey)
         return Status.OK, entry
 
+    def lookup_many(self, ikeys: Sequence[Hashable], fingerprint: str, entries: bool = True
+                    ) -> list[tuple[Status, ChunkEntry | None]]:
+        """``lookup`` of each key; ``entries=False`` builds no entry for an object known only
+        from an existence check (its hit is ``(OK, None)``). A batch none of whose keys is known
+        (a LOOKUP's first pass, before its check) is one C loop."""
+        known = self.known
+        records = list(map(known.get, ikeys))
+        misses = records.count(None)
+        if misses == len(records):
+            return [MISS_ANSWER] * len(records)
+        if not entries and misses + records.count(fingerprint) == len(records):
+            # only misses and records of this layout (a LOOKUP's second pass): C loops
+            found = [r is not None for r in records]
+            for _ in map(known.move_to_end, compress(ikeys, found)):
+                pass
+            return [_HIT_ANSWER if hit else MISS_ANSWER for hit in found]
+        if entries:
+            return [MISS_ANSWER if r is None else self.lookup(k, fingerprint)
+                    for k, r in zip(ikeys, records)]
+        out: list[tuple[Status, ChunkEntry | None]] = []
+        for ikey, record in zip(ikeys, records):
+            if record is None or _fingerprint(record) != fingerprint or (
+                    record.__class__ is not str and record.doomed):  # type: ignore[union-attr]
+                out.append(MISS_ANSWER)
+            else:
+                known.move_to_end(ikey)
+                out.append(_HIT_ANSWER)
+        return out
+
     def peek(self, ikey: Hashable) -> ChunkEntry | None:
-        return self.pending.get(ikey) or self.known.get(ikey)
+        pending = self.pending.get(ikey)
+        if pending is not None:
+            return pending
+        record = self.known.get(ikey)
+        if record.__class__ is str:
+            return self._entry(ikey, record)  # type: ignore[arg-type]
+        return record  # type: ignore[return-value]
+
+    def holds(self, ikey: Hashable, checksum: bytes) -> bool:
+        """``LowerTier.holds`` without building an entry for a record (asked for every CPU
+        victim): a record's checksum is unknown (its entry's would be ``b""``)."""
+        if ikey in self.pending:
+            return False  # PENDING: not a copy yet
+        record = self.known.get(ikey)
+        if record is None:
+            return False
+        if record.__class__ is str:
+            return checksum == b""
+        return record.state is ChunkState.READY and record.checksum == checksum  # type: ignore
+
+    def _entry(self, ikey: Hashable, fingerprint: str) -> ChunkEntry:
+        """The entry of an object known only from an existence check, built in its record's
+        place (its LRU position kept): READY, size unknown (0, the reader's size is used)."""
+        entry = ChunkEntry(ikey, fingerprint, 0, [], 0, state=ChunkState.READY)
+        self.known[ikey] = entry
+        return entry
 
     def unknown(self, ikeys: Sequence[Hashable]) -> list[Hashable]:
         """Keys not being written here and not found absent in the last ``ABSENT_TTL_S``: an
         engine asking about the same missing prefix every step asks the master once a second."""
-        now = self.clock()
-        absent = self._absent
-        while absent and next(iter(absent.values())) <= now:
-            absent.popitem(last=False)
-        return [k for k in ikeys if k not in self.pending and k not in absent]
+        self._absent.prune(self.clock())
+        absent, pending = self._absent.check_of, self.pending  # plain dicts: ``in`` stays in C
+        if not pending:
+            return [k for k in ikeys if k not in absent]
+        return [k for k in ikeys if k not in pending and k not in absent]
 
     def exists_job(self, ikeys: Sequence[Hashable], fingerprint: str) -> Job:
         names = objects.object_names(self.cfg.cluster_id, ikeys, fingerprint)
@@ -161,29 +240,55 @@ class RemoteTier(LowerTier):
 
     def exists_done(self, ikeys: Sequence[Hashable], fingerprint: str,
                     found: list[bool] | None) -> None:
+        """Record a check's answer: the absent keys in ``_absent`` until this check's expiry;
+        each hit leaves ``_absent`` and, unless held for this layout already (left where it is),
+        enters ``known`` last as its fingerprint (within ``known_keys``, oldest out first). Whole-
+        batch C calls, not a loop over the keys: the loop cost more than ``batch_is_exist``."""
         if found is None:
             return
-        expiry = self.clock() + ABSENT_TTL_S
-        for ikey, hit in zip(ikeys, found):
-            if not hit:
-                self._absent.pop(ikey, None)  # re-inserted last: expiries stay in order
-                self._absent[ikey] = expiry
-                while len(self._absent) > self.cfg.known_keys:
-                    self._absent.popitem(last=False)
-                continue
-            self._absent.pop(ikey, None)
-            current = self.known.get(ikey)
-            if hit and (current is None or current.fingerprint != fingerprint):
-                if current is not None:
-                    self._forget(current)
-                entry = ChunkEntry(ikey, fingerprint, 0, [], 0, state=ChunkState.READY)
-                self._remember(entry)
+        known, absent = self.known, self._absent
+        if False in found:
+            now = self.clock()
+            expiry = now + ABSENT_TTL_S
+            hits = list(compress(ikeys, found))
+            if hits and absent.holds_any(hits):  # rare: another check found one absent
+                for ikey, hit in zip(ikeys, found):  # in order: the bound is met as it was
+                    if hit:
+                        absent.discard((ikey,))
+                    else:
+                        absent.add((ikey,), expiry, now)
+            else:
+                absent.add(list(compress(ikeys, map(not_, found))), expiry, now)
+            if not hits:
+                return
+        else:
+            hits = list(ikeys)
+            absent.discard(hits)
+        before = len(known)
+        for _ in map(known.setdefault, hits, repeat(fingerprint)):  # new ones last; a C loop
+            pass
+        added = len(known) - before
+        if added == len(hits):  # all new here (the common case)
+            self._bound_known()
+        else:  # some held (or repeated): undo the additions (the last ones), then key by key
+            for _ in range(added):
+                known.popitem(last=True)
+            for ikey in hits:  # in order: a record of another layout is replaced, last
+                current = known.get(ikey)
+                if current is None:
+                    known[ikey] = fingerprint
+                elif _fingerprint(current) != fingerprint:
+                    self._forget(ikey)
+                    known[ikey] = fingerprint
+                else:
+                    continue
+                self._bound_known()  # at once: a held key may be among the oldest
 
     # -- writes ------------------------------------------------------------------------------------
     def reserve(self, ikey: Hashable, fingerprint: str, nbytes: int, checksum: bytes
                 ) -> ChunkEntry | None:
         held = self.known.get(ikey)
-        if ikey in self.pending or (held is not None and held.fingerprint == fingerprint):
+        if ikey in self.pending or (held is not None and _fingerprint(held) == fingerprint):
             return None
         entry = ChunkEntry(ikey, fingerprint, nbytes, [], 0, checksum=checksum)
         self.pending[ikey] = entry
@@ -209,11 +314,10 @@ class RemoteTier(LowerTier):
 
     def commit(self, entry: ChunkEntry) -> None:
         self.pending.pop(entry.ikey, None)
-        self._absent.pop(entry.ikey, None)
+        self._absent.discard((entry.ikey,))
         entry.state = ChunkState.READY
-        current = self.known.get(entry.ikey)
-        if current is not None:
-            self._forget(current)
+        if entry.ikey in self.known:
+            self._forget(entry.ikey)
         self._remember(entry)
 
     def abort(self, entry: ChunkEntry) -> None:
@@ -311,7 +415,7 @@ class RemoteTier(LowerTier):
         """Forget the object and remove it from the store (it failed a read), unless the read
         found it missing or of another size: then it is only forgotten."""
         if self.known.get(entry.ikey) is entry:
-            self._forget(entry)
+            self._forget(entry.ikey)
         entry.doomed = True
         name = self.name_of(entry.ikey, entry.fingerprint)
         with self._missing_lock:
@@ -324,10 +428,11 @@ class RemoteTier(LowerTier):
     def delete(self, ikey: Hashable) -> Status:
         if ikey in self.pending:
             return Status.BUSY
-        entry = self.known.get(ikey)
-        if entry is None:
+        record = self.known.get(ikey)
+        if record is None:
             return Status.MISS
-        self._forget(entry)
+        entry = self._entry(ikey, record) if record.__class__ is str else record
+        self._forget(ikey)
         entry.doomed = True
         self._deletions.append(entry)
         self.on_drop(entry)
@@ -348,13 +453,20 @@ class RemoteTier(LowerTier):
     def _remember(self, entry: ChunkEntry) -> None:
         self.known[entry.ikey] = entry
         self._used_bytes += entry.nbytes
-        while len(self.known) > self.cfg.known_keys:  # forgetting is safe: a LOOKUP asks again
-            _, oldest = self.known.popitem(last=False)
-            self._used_bytes -= oldest.nbytes
+        self._bound_known()
 
-    def _forget(self, entry: ChunkEntry) -> None:
-        del self.known[entry.ikey]
-        self._used_bytes -= entry.nbytes
+    def _bound_known(self) -> None:
+        """Forget the oldest records beyond ``known_keys`` (safe: a LOOKUP asks again)."""
+        known = self.known
+        for _ in range(len(known) - self.cfg.known_keys):
+            _, oldest = known.popitem(last=False)
+            if oldest.__class__ is not str:
+                self._used_bytes -= oldest.nbytes  # type: ignore[union-attr]
+
+    def _forget(self, ikey: Hashable) -> None:
+        record = self.known.pop(ikey)
+        if record.__class__ is not str:
+            self._used_bytes -= record.nbytes  # type: ignore[union-attr]
 
     def _buffers(self, arena: Arena, runs: list[Run], nbytes: int) -> list[tuple[int, int]]:
         """The payload's bytes as registered-memory buffers ``(address, length)``."""
@@ -369,11 +481,15 @@ class RemoteTier(LowerTier):
                 "chunks": len(self.known), "pending_chunks": len(self.pending)}
 
     def check_invariants(self) -> None:
-        assert all(e.state is ChunkState.READY and not e.doomed for e in self.known.values())
+        entries = {k: r for k, r in self.known.items() if isinstance(r, ChunkEntry)}
+        assert all(type(r) is str for k, r in self.known.items() if k not in entries)
+        assert all(e.state is ChunkState.READY and not e.doomed for e in entries.values())
+        assert all(k == e.ikey for k, e in entries.items())
         assert all(e.state is ChunkState.PENDING for e in self.pending.values())
-        assert self._used_bytes == sum(e.nbytes for e in self.known.values()), "used_bytes drift"
+        assert self._used_bytes == sum(e.nbytes for e in entries.values()), "used_bytes drift"
         assert len(self.known) <= self.cfg.known_keys
-        assert all(e.ref_count >= 0 for e in self.known.values())
+        self._absent.check_invariants()
+        assert all(e.ref_count >= 0 for e in entries.values())
 
     def close(self) -> None:
         if self._verify_pool is not None:

@@ -30,7 +30,7 @@ from kvtierd.protocol import (
 from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.admission import token_matches
-from kvtierd.server.chain import TierChain
+from kvtierd.server.chain import MISSED, TierChain
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
@@ -41,6 +41,8 @@ from kvtierd.tiers.chunk import ChunkEntry
 
 log = logging.getLogger(__name__)
 _CPU, _NONE = int(Tier.CPU), int(Tier.NONE)
+_CODE = {tier: int(tier) for tier in Tier}
+_LABEL = {tier: tier.name.lower() for tier in Tier}
 
 
 def _keys_problem(keys: list) -> tuple[Status, str] | None:
@@ -192,26 +194,28 @@ class OpHandlers:
     # -- index -----------------------------------------------------------------------------------
     def lookup(self, session: Session, header: dict, frames: list) -> dict | None:
         """Answered now, or (None) once the batched existence checks of the keys that only a
-        lower tier such as the remote one can tell about have answered (``TierChain.check``)."""
+        lower tier such as the remote one can tell about have answered (``TierChain.check``).
+
+        Either way the batch is looked up as one (``_find``: the arena's compact index, then
+        each lower tier once for the arena's misses) and answered as one (``_answer``); a
+        LOOKUP that waits for a check is looked up again when it answers (what the tiers know
+        then), as it was key by key before (a 1024-key LOOKUP then cost two chain walks per
+        key, and an entry per remote hit even when nothing was leased)."""
         keys = requests.batch(header, "keys", self.cfg.max_batch)
         lease = requests.flag(header, "lease", False)
-        if not self.mover.checks_existence:
-            return self._lookup_batched(session, keys, lease)
-        problem = _keys_problem(keys)
-        if problem is not None:
-            raise ProtocolError(problem[0], problem[1])
-        ikeys = [session.ikey(key) for key in keys]
-        found = [self.mover.lookup(ikey, session.fingerprint) for ikey in ikeys]
-        missed = [ikey for ikey, (status, _, entry) in zip(ikeys, found)
-                  if entry is None and status is Status.MISS]
-        if missed and self.mover.checks_existence:
+        found = self._find(session, keys, lease)
+        below = found[1]
+        if below and self.mover.checks_existence:
+            space = session.space
+            missed = [(space, keys[i]) for i, (status, _, _) in below.items()
+                      if status is Status.MISS]
             started = time.perf_counter()
 
             def later() -> None:  # answered with what the tiers know now
                 try:
-                    again = [self.mover.lookup(ikey, session.fingerprint) for ikey in ikeys]
-                    fields = self._lookup_answer(session, ikeys, again,
-                                                 lease and not session.closed)
+                    leasing = lease and not session.closed
+                    fields = self._answer(session, keys, self._find(session, keys, leasing),
+                                          leasing)
                     header_out, status = reply(header.get("id"), Status.OK, **fields), "OK"
                 except Exception as exc:  # every request gets a reply, even this late
                     log.exception("answering a LOOKUP after its existence check failed")
@@ -221,18 +225,18 @@ class OpHandlers:
                 self.metrics.requests.labels("lookup", status).inc()
                 self.metrics.latency.labels("lookup").observe(time.perf_counter() - started)
 
-            if self.mover.check(missed, session.fingerprint, later):
+            if missed and self.mover.check(missed, session.fingerprint, later):
                 return None
-        return self._lookup_answer(session, ikeys, found, lease)
+        return self._answer(session, keys, found, lease)
 
-    def _lookup_batched(self, session: Session, keys: list, lease: bool) -> dict:
-        """Without a tier that needs existence checks: the arena answers the whole batch from its
-        compact index (``lookup_slots``: no entry built unless a hit is leased), the lower tiers
-        only its misses; counts and ghosts are fed once per batch. Only the keys the index does
-        not hold are validated (before anything is touched): a hit is a key a PUT validated, and
-        checking 1024 keys' types and lengths cost as much as decoding them. Same answers,
-        touches, leases and counts as ``_lookup_answer`` over per-key lookups. A batch the arena
-        answers alone (all hits, or no lower tier) builds its answer with list operations."""
+    def _find(self, session: Session, keys: list, lease: bool
+              ) -> tuple[list[int], dict[int, tuple[Status, Tier, ChunkEntry | None]]]:
+        """The batch's lookups: the arena answers it from its compact index (``lookup_slots``:
+        no entry built unless a hit is leased), the lower tiers only its misses
+        (``lookup_below_many``: entries only when leasing). Only the keys the index does not
+        hold are validated (before anything is touched): a hit is a key a PUT validated, and
+        checking 1024 keys' types and lengths cost as much as decoding them. Returns the slots
+        and, by position, the lower tiers' answers for the arena's misses."""
         cpu, fingerprint = self.mover.cpu, session.fingerprint
 
         def refuse_bad_misses(found: list[int]) -> None:
@@ -248,6 +252,23 @@ class OpHandlers:
             if problem is None:
                 raise
             raise ProtocolError(problem[0], problem[1]) from None
+        if not self.mover.links or MISS_SLOT not in slots:
+            return slots, {}
+        missing = [i for i, slot in enumerate(slots) if slot == MISS_SLOT]
+        space = session.space
+        answers = self.mover.lookup_below_many([(space, keys[i]) for i in missing], fingerprint,
+                                               entries=lease)
+        return slots, dict(zip(missing, answers))
+
+    def _answer(self, session: Session, keys: list,
+                found: tuple[list[int], dict[int, tuple[Status, Tier, ChunkEntry | None]]],
+                lease: bool) -> dict:
+        """The reply to a batch ``_find`` looked up: counts and ghosts fed once per batch,
+        leases taken. Same answers, touches, leases and counts as answering key by key. A batch
+        the arena answers alone (all hits, or no lower tier) builds its answer with list
+        operations."""
+        cpu = self.mover.cpu
+        slots, below = found
         n = len(slots)
         if n and min(slots) >= 0:  # every key a CPU hit (the common case): no per-key pass
             self.accounting.lookup_cpu_hits(n)
@@ -265,43 +286,35 @@ class OpHandlers:
             tiers, names = [_CPU] * n, ["cpu"] * n
         hits: Counter[Tier] = Counter({Tier.CPU: n - missed - mismatched})
         misses: Counter[Status] = Counter({Status.LAYOUT_MISMATCH: mismatched})
-        below: dict[int, ChunkEntry] = {}
-        if missed and not self.mover.links:
+        leased: dict[int, ChunkEntry] = {}
+        if missed and not below:
             misses[Status.MISS] += missed
         elif missed:
-            for i, slot in enumerate(slots):
-                if slot != MISS_SLOT:
-                    continue
-                status, tier, entry = self.mover.lookup_below(session.ikey(keys[i]), fingerprint)
-                if entry is None:
-                    misses[status] += 1
-                    continue
-                below[i] = entry
-                tiers[i] = int(tier)
-                names[i] = tier.name.lower()
-                hits[tier] += 1
+            lost = list(below.values()).count(MISSED)  # missed everywhere: identity, in C
+            misses[Status.MISS] += lost
+            if lost < len(below):
+                per_tier: Counter[Tier] = Counter()
+                for i, answer in below.items():
+                    if answer is MISSED:
+                        continue
+                    status, tier, entry = answer
+                    if status is not Status.OK:
+                        misses[status] += 1
+                        continue
+                    if entry is not None:
+                        leased[i] = entry
+                    tiers[i] = _CODE[tier]  # Enum .name and int() cost more than the rest
+                    names[i] = _LABEL[tier]
+                    per_tier[tier] += 1
+                hits.update(per_tier)
         self.accounting.lookup_counts(+hits, +misses)
         self.ghosts.access_many(session.space, keys, names)
         if lease:
             for i, slot in enumerate(slots):
                 if slot >= 0:
                     self.sessions.lease(session, cpu.index.entry(slot))
-                elif i in below:
-                    self.sessions.lease(session, below[i])
-        return {"tiers": tiers}
-
-    def _lookup_answer(self, session: Session, ikeys: list, found: list, lease: bool) -> dict:
-        tiers = []
-        for ikey, (status, tier, entry) in zip(ikeys, found):
-            self.ghosts.access(ikey, None if entry is None else tier.name.lower())
-            if entry is None:
-                self.accounting.lookup_miss(status)
-                tiers.append(int(Tier.NONE))
-                continue
-            self.accounting.lookup_hit(tier)
-            if lease:
-                self.sessions.lease(session, entry)
-            tiers.append(int(tier))
+                elif i in leased:
+                    self.sessions.lease(session, leased[i])
         return {"tiers": tiers}
 
     def delete(self, session: Session, header: dict, frames: list) -> dict:

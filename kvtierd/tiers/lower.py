@@ -33,6 +33,11 @@ remote tier is another):
     What the tier knows *now*, without I/O: ``OK`` and a READY entry, ``MISS``, or
     ``LAYOUT_MISMATCH`` (the key is held for another layout: never bytes for the wrong reader). A
     hit's ``nbytes`` may be ``0`` when only a read can tell the size (the reader's is then used).
+``lookup_many(ikeys, fingerprint, entries) -> list[(Status, entry | None)]``
+    ``lookup`` of each key (the same touches and counts, in key order), for a LOOKUP's batch.
+    ``entries=False`` (nothing is to be leased): a hit may be ``(OK, None)``, so a tier that
+    keeps lighter records than entries (the remote tier's existence-check hits) builds none.
+    The default asks ``lookup`` key by key.
 ``checks_existence`` / ``unknown(ikeys) -> list``
     ``checks_existence = True`` says that ``lookup`` alone cannot tell (remote); ``unknown`` then
     returns, of these keys (all missed by every tier), those only an existence check can tell
@@ -129,6 +134,8 @@ from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
 
 Job = Callable[[], Any]
+#: ``lookup_many``'s answer for a miss (one object: a batch of misses is recognised in C).
+MISS_ANSWER: tuple[Status, ChunkEntry | None] = (Status.MISS, None)
 
 
 class IntegrityError(Exception):
@@ -210,6 +217,11 @@ class LowerTier(ABC):
     # -- lookups -------------------------------------------------------------------------------
     @abstractmethod
     def lookup(self, ikey: Hashable, fingerprint: str) -> tuple[Status, ChunkEntry | None]: ...
+
+    def lookup_many(self, ikeys: Sequence[Hashable], fingerprint: str, entries: bool = True
+                    ) -> list[tuple[Status, ChunkEntry | None]]:
+        lookup = self.lookup
+        return [lookup(ikey, fingerprint) for ikey in ikeys]
 
     def unknown(self, ikeys: Sequence[Hashable]) -> list[Hashable]:
         return []

@@ -72,6 +72,41 @@ def test_node_b_finds_node_a_chunks_remote_and_loads_them_exactly(nodes, tmp_pat
     assert metric(m, "kvtierd_tier_available", tier="remote") == 1
 
 
+def test_a_mixed_leased_lookup_answers_and_counts_every_tier_once(nodes):
+    """One LOOKUP batch of CPU hits, keys only the remote has (known after its existence
+    check), misses and another layout's key, interleaved, leased: each answered and counted by
+    its tier, the leases held and released (CHECK at stop verifies the pins), and the remote
+    keys then load byte-exact."""
+    remote = {f"r{i}".encode(): payload(("mixed", i), CHUNK) for i in range(5)}
+    a = nodes("a")
+    with InlineSession(a.address) as s:
+        assert s.put(remote) == [Status.OK] * len(remote)
+    published(a, len(remote))
+    a.stop_and_verify()
+
+    b = nodes("b")
+    local = {b"c0": payload("c0", CHUNK), b"c1": payload("c1", CHUNK)}
+    with InlineSession(b.address, fingerprint="fp-other") as other:
+        assert other.put({b"x": payload("x", CHUNK)}) == [Status.OK]
+    with InlineSession(b.address) as s:
+        assert s.put(local) == [Status.OK, Status.OK]
+        keys = [b"c0", b"r0", b"m0", b"r1", b"x", b"c1", b"r2", b"m1", b"r3", b"r4"]
+        c, r, n = Tier.CPU, Tier.REMOTE, Tier.NONE
+        expected = [c, r, n, r, n, c, r, n, r, r]
+        assert s.lookup(keys, lease=True) == expected
+        assert b.check()  # the leases of remote entries are pinned consistently
+        assert s.lookup(keys) == expected  # from what B learned (and the absent cache)
+        m = b.metrics_text()
+        assert metric(m, "kvtierd_hits_total", tier="cpu") == 4
+        assert metric(m, "kvtierd_hits_total", tier="remote") == 10
+        assert metric(m, "kvtierd_misses_total", reason="miss") == 4
+        assert metric(m, "kvtierd_misses_total", reason="layout_mismatch") == 2
+        results, frames, errors = s.get({k: CHUNK for k in remote})
+        assert results == [Status.OK] * len(remote), errors
+        assert frames == list(remote.values()), "bytes from the remote differ"
+        assert s.lookup(list(remote)) == [Tier.CPU] * len(remote)
+
+
 def test_a_flipped_byte_in_a_remote_object_is_a_miss_with_the_integrity_metric(nodes, tmp_path):
     data = {b"good": payload("good", CHUNK), b"bad": payload("bad", CHUNK)}
     a = nodes("a")

@@ -146,6 +146,31 @@ def test_round_trip_is_byte_exact_and_lookup_answers_remote(node: Harness) -> No
         node.load(key, len(data), page=32, fingerprint="fingerprint-b")
 
 
+def test_a_key_known_only_from_an_existence_check_loads_byte_exact(node: Harness) -> None:
+    """Another node's object: the check records it as its layout (no entry), a LOOKUP without
+    a lease answers from the record, and the GET's lookup builds the entry that is read."""
+    payloads = {ikey("uid:1", b"seen%d" % i): os.urandom(PAGE + 321 * i) for i in range(3)}
+    for i, (key, data) in enumerate(payloads.items()):
+        node.publish(key, data, page=i * 4)
+    node.tier.known.clear()  # as on another node: only the store knows
+    node.tier._used_bytes = 0
+    keys = list(payloads) + [ikey("uid:1", b"never-stored")]
+    unknown = node.tier.unknown(keys)
+    assert unknown == keys
+    found = node.run(node.tier.exists_job(unknown, FP))
+    assert found == [True, True, True, False]
+    node.tier.exists_done(unknown, FP, found)
+    assert [node.tier.known.get(k) for k in keys] == [FP, FP, FP, None]
+    assert node.tier.lookup_many(keys, FP, entries=False) == [(Status.OK, None)] * 3 + [
+        (Status.MISS, None)]
+    assert node.tier.unknown(keys[3:]) == []  # the absent one is trusted for ABSENT_TTL_S
+    for key, data in payloads.items():
+        assert node.load(key, len(data), page=32) == data
+        entry = node.tier.known[key]
+        assert entry.nbytes == 0 and entry.fingerprint == FP  # built by the GET's lookup
+    assert node.tier.stats()["used_bytes"] == 0
+
+
 def test_a_read_with_room_after_the_payload_lands_the_header_there(master, node) -> None:
     """The one-buffer read (header after the payload, in the target's spare page) serves the
     same verified bytes as the header-slot read, and writes nothing past the header."""
