@@ -95,14 +95,15 @@ class SessionTable:
 
     # -- leases ----------------------------------------------------------------------------------
     def lease(self, session: Session, entry: ChunkEntry) -> None:
+        """Pin ``entry`` for the session until its GET or ``lease_timeout_s``. A lease taken again
+        is re-inserted last: every lease has the same timeout and the clock only moves forward,
+        so a session's leases stay in expiry order and ``expire`` stops at the first live one."""
         expiry = time.monotonic() + self.lease_timeout_s
-        held = session.leases.get(entry.ikey)
-        if held is not None and held[0] is entry:
-            session.leases[entry.ikey] = (entry, expiry)
-            return
-        if held is not None:
-            self._unpin(held[0])
-        self._tier_of(entry).pin(entry)
+        held = session.leases.pop(entry.ikey, None)
+        if held is None or held[0] is not entry:
+            if held is not None:
+                self._unpin(held[0])
+            self._tier_of(entry).pin(entry)
         session.leases[entry.ikey] = (entry, expiry)
 
     def _tier_of(self, entry: ChunkEntry) -> Any:
@@ -150,7 +151,13 @@ class SessionTable:
         for session in dead:
             self.close(session, "heartbeat timeout")
         for session in self.by_identity.values():
-            expired = [k for k, (_, expiry) in session.leases.items() if expiry <= now]
+            # Expiry order (``lease``): only the expired ones and one live lease are looked at,
+            # not every lease every tick (1024-key leased LOOKUPs: ~10 % of the loop's time).
+            expired = []
+            for ikey, (_, expiry) in session.leases.items():
+                if expiry > now:
+                    break
+                expired.append(ikey)
             for ikey in expired:
                 self.release_lease(session, ikey)
         return dead
@@ -160,6 +167,8 @@ class SessionTable:
         for identity, session in self.by_identity.items():
             assert session.identity == identity and not session.closed, "stale session in table"
             assert session.in_flight >= 0, f"session {session.id} in_flight < 0"
+            expiries = [expiry for _, expiry in session.leases.values()]
+            assert expiries == sorted(expiries), f"session {session.id}: leases out of order"
             for ikey, (entry, _) in session.leases.items():
                 assert entry.ikey == ikey, "lease recorded under another key"
                 pins[id(entry)] = pins.get(id(entry), 0) + 1
