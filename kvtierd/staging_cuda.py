@@ -177,6 +177,11 @@ class CudaIpcStaging:
         self._copy(offset, arena, segments, MEMCPY_DEVICE_TO_HOST)
         return memcpy.checksum(arena.view, segments)
 
+    def copy_in_ranges(self, arena: Arena, srcs: list[int], dsts: list[int],
+                       nbytes: int) -> list[bytes]:
+        """``nbytes`` at staging offset ``srcs[i]`` → arena offset ``dsts[i]``; checksums."""
+        return [self.copy_in(src, arena, [(dst, nbytes)]) for src, dst in zip(srcs, dsts)]
+
     def copy_out(self, arena: Arena, segments: list[tuple[int, int]], offset: int) -> None:
         """Arena → staging (host to device); returns once the bytes are on the device."""
         self._copy(offset, arena, segments, MEMCPY_HOST_TO_DEVICE)

@@ -44,6 +44,12 @@ def copy_out(staging: Any, arena: Any, segments: Segments, job: Job) -> set[int]
     return bad
 
 
+def copy_writes_in(staging: Any, arena: Any, writes: Any) -> list[bytes]:
+    """A PUT job of reservations held by slot (``kvtierd.server.batch.SlotWrites``: byte
+    ranges) from staging; the xxh3-128 of each chunk."""
+    return staging.copy_in_ranges(arena, writes.src, writes.dst, writes.nbytes)
+
+
 def copy_reads_out(staging: Any, arena: Any, reads: Any) -> None:
     """A GET job of chunks held by slot (``kvtierd.server.batch.SlotReads``: byte ranges,
     already verified) → staging."""

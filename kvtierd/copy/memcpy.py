@@ -47,6 +47,22 @@ def copy_in(
     return hasher.digest()
 
 
+def copy_in_ranges(src_address: int, srcs: list[int], dst_address: int, dsts: list[int],
+                   nbytes: int, dst_view: memoryview) -> list[bytes]:
+    """``copy_in`` of many one-range chunks of ``nbytes`` each: ``srcs[i]`` of the source to
+    ``dsts[i]`` of the destination (a PUT job of reservations held by slot: one loop, no list
+    of segments per chunk); their xxh3-128s."""
+    if nbytes > PIECE_BYTES:  # hashed piece by piece while in cache
+        return [copy_in(src_address, src, dst_address, [(dst, nbytes)], dst_view)
+                for src, dst in zip(srcs, dsts)]
+    out: list[bytes] = []
+    append = out.append
+    for src, dst in zip(srcs, dsts):
+        _memmove(dst_address + dst, src_address + src, nbytes)
+        append(_digest(dst_view[dst:dst + nbytes]))
+    return out
+
+
 def copy_out(
     src_address: int, segments: list[tuple[int, int]], dst_address: int, dst_offset: int
 ) -> None:

@@ -70,6 +70,26 @@ class SlotReads:
     nbytes: int
 
 
+@dataclass(eq=False, slots=True)
+class SlotWrites:
+    """A PUT copy job of reservations held by slot (``CpuTier.reserve_slots``), as columns: no
+    entry per chunk. The copy thread reads ``src``/``dst``/``sizes`` and returns a checksum per
+    chunk; the loop commits ``slots`` (``keys`` of the batch's key space, ``nbytes`` each) when
+    the job is done, or aborts them and fails ``items`` if it failed."""
+
+    items: list[int]  # the batch's item indices
+    keys: list[bytes]
+    slots: list[int]
+    src: list[int]  # staging byte offsets
+    dst: list[int]  # arena byte offsets
+    nbytes: int  # per chunk (a batch is one chunk size)
+    total: int  # bytes in all
+
+    @property
+    def sizes(self) -> list[int]:
+        return [self.nbytes] * len(self.slots)
+
+
 def job_bytes(items: list, threads: int) -> int:
     """Bytes per copy job for ``items``: the batch spread over the copy threads, at most
     MAX_JOB_BYTES. The total is estimated from the first item (batches are one chunk size)."""

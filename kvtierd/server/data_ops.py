@@ -40,7 +40,8 @@ from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import MAX_KEY_BYTES, Op, ProtocolError, Status, Tier, reply
 from kvtierd.server import fast_path, requests
 from kvtierd.server.accounting import Accounting
-from kvtierd.server.batch import MAX_JOB_BYTES, Batch, JobQueue, SlotReads, job_bytes
+from kvtierd.server.batch import (MAX_JOB_BYTES, Batch, JobQueue, SlotReads, SlotWrites,
+                                  job_bytes)
 from kvtierd.server.chain import TierChain
 from kvtierd.server.job_done import JobCompletions
 from kvtierd.server.refusals import reserve_message
@@ -107,7 +108,8 @@ class DataOps(JobCompletions):
             else:
                 self._reserve_item(batch, queue, i, key, offset, nbytes)
         if valid:
-            fast_path.reserve_items(self.tier, batch, queue, valid, self._refused)
+            fast_path.reserve_items(self.tier, batch, queue, valid, self._refused,
+                                    self._submit_writes if self._plain_commits() else None)
         return self._built(batch, queue)
 
     def _reserve_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
@@ -127,7 +129,6 @@ class DataOps(JobCompletions):
         if entry is None:
             self._refused(batch, i, status, key, offset, nbytes)
             return
-        session.pending.add(entry)
         queue.add((i, entry, batch.frames[i] if session.staging is None else offset), nbytes)
 
     def _refused(self, batch: Batch, i: int, status: Status, key: bytes, offset: Any,
@@ -353,6 +354,16 @@ class DataOps(JobCompletions):
         session.in_flight += 1
         done = self.engine.submit(nbytes, partial(fn, session.staging, self.tier.arena,
                                                   self.tier.segments, job), (batch, job))
+        if done is not None:
+            self.on_copy_done(*done)
+
+    def _submit_writes(self, batch: Batch, writes: SlotWrites) -> None:
+        """Run one PUT job of reservations held by slot (inline if small)."""
+        session = batch.session
+        batch.jobs_left += 1
+        session.in_flight += 1
+        done = self.engine.submit(writes.total, partial(copy_jobs.copy_writes_in, session.staging,
+                                                        self.tier.arena, writes), (batch, writes))
         if done is not None:
             self.on_copy_done(*done)
 

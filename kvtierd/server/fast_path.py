@@ -5,7 +5,10 @@ Why: at 16 KiB a chunk's memcpy takes ~2 µs, so the loop thread's Python per it
 throughput. Here the handler has already checked every item (``kvtierd.server.data_ops``); these
 reserve or look up a job's worth of items in one call of the CPU tier's batch primitives
 (``kvtierd.tiers.cpu_batch``, the same semantics as the per-item ones) and queue them as one job,
-so the copy threads start on the first job while the loop prepares the next. Anything else
+so the copy threads start on the first job while the loop prepares the next. Where nothing
+wants a PUT's chunks as entries (no kv-events), a group of new keys is reserved by slot and
+copied and committed as columns (``SlotWrites``), as GET holds its reads: at 16 KiB building,
+committing and folding an entry per chunk was a third of a PUT item's loop CPU. Anything else
 (lower tiers, inline payloads) takes the per-item path in ``data_ops``.
 """
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kvtierd.protocol import Status
-from kvtierd.server.batch import Batch, JobQueue, SlotReads
+from kvtierd.server.batch import Batch, JobQueue, SlotReads, SlotWrites
 from kvtierd.server.sessions import SessionTable
 from kvtierd.tiers.cpu import CpuTier
 
@@ -29,19 +32,35 @@ def _groups(queue: JobQueue, items: list[Item]) -> list[list[Item]]:
 
 
 def reserve_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item],
-                  refused: Refused) -> None:
+                  refused: Refused, submit_writes: Callable[[Batch, SlotWrites], None] | None
+                  ) -> None:
     """Reserve and queue checked PUT items; ``refused`` answers an item the tier did not
-    reserve (exists, parked for space, or failed)."""
+    reserve (exists, parked for space, or failed). With ``submit_writes`` (nothing needs the
+    chunks' entries: no kv-events, no tier below), a group of new keys is reserved by slot
+    (``CpuTier.reserve_slots``) and copied as one ``SlotWrites`` job; what that leaves
+    (an existing key, a full arena) is reserved as entries, which evicts or refuses as one
+    ``reserve`` per item would."""
     session = batch.session
     space, fingerprint, owner = session.space, session.fingerprint, session.id
-    pending = session.pending.add
     for group in _groups(queue, items):
         sizes = [item[3] for item in group]
+        nbytes = sizes[0]
+        if submit_writes is not None and sizes.count(nbytes) == len(sizes):
+            keys = [item[1] for item in group]
+            slots, dst = tier.reserve_slots(space, keys, nbytes, fingerprint)
+            if slots:
+                placed = len(slots)
+                part = group if placed == len(group) else group[:placed]
+                submit_writes(batch, SlotWrites([item[0] for item in part], keys[:placed], slots,
+                                                [item[2] for item in part], dst, nbytes,
+                                                placed * nbytes))
+                if placed == len(group):
+                    continue
+                group, sizes = group[placed:], sizes[placed:]
         reserved = tier.reserve_many(space, [item[1] for item in group], sizes, fingerprint,
                                      owner)
         entries = [entry for _, entry in reserved]
         if None not in entries:  # every item reserved (a batch of new keys): the job in C
-            session.pending.update(entries)
             queue.add_many(list(zip([item[0] for item in group], entries,
                                     [item[2] for item in group])), sum(sizes))
             continue
@@ -51,7 +70,6 @@ def reserve_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item
             if entry is None:
                 refused(batch, i, status, key, offset, nbytes)
             else:
-                pending(entry)
                 job.append((i, entry, offset))
                 job_bytes += nbytes
         queue.add_many(job, job_bytes)

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvtierd.cuda_health import CudaContextLost
 from kvtierd.protocol import Status
-from kvtierd.server.batch import Batch, SlotReads
+from kvtierd.server.batch import Batch, SlotReads, SlotWrites
 from kvtierd.server.chain import ChainEvents
 from kvtierd.tiers.chunk import ChunkEntry
 
@@ -27,20 +27,25 @@ class JobCompletions:
     """The completion half of ``DataOps``; it uses DataOps' ``tier``, ``mover``, ``events``,
     ``metrics``, ``_bytes_in``/``_bytes_out`` and ``_feed_ghosts``."""
 
-    def _put_job_done(self, batch: Batch, job: list, digests: Any,
+    def _plain_commits(self) -> bool:
+        """Whether nothing uses a PUT's chunks after their commit: no kv-events and no tier
+        below (the chain's per-chunk hooks are then its no-op ``ChainEvents``). Their entries
+        then go back to compact form at once, or are never built (``SlotWrites``)."""
+        return (not self.events.enabled and not self.mover.links
+                and type(self.mover.events) is ChainEvents)
+
+    def _put_job_done(self, batch: Batch, job: list | SlotWrites, digests: Any,
                       error: BaseException | None) -> None:
         session = batch.session
-        session.pending.difference_update(map(itemgetter(1), job))
+        if type(job) is SlotWrites:
+            self._put_slots_done(batch, job, digests, error)
+            return
         if error is not None or session.closed:
             for index, entry, _ in job:
                 self._put_item_failed(batch, index, entry, error)
             return
         entries = list(map(itemgetter(1), job))
-        # Without kv-events and without the chain's per-chunk hooks nothing uses the entries
-        # after their commit: they go back to compact form at once.
-        plain = (not self.events.enabled and not self.mover.links
-                 and type(self.mover.events) is ChainEvents)
-        self.tier.commit_many(entries, digests, fold=plain)
+        self.tier.commit_many(entries, digests, fold=self._plain_commits())
         if self.events.enabled:
             events, blocks = self.events, batch.blocks
             for index, entry, _ in job:
@@ -57,9 +62,32 @@ class JobCompletions:
                 after_commit(entry)
         self._feed_ghosts(batch)
 
+    def _put_slots_done(self, batch: Batch, job: SlotWrites, digests: Any,
+                        error: BaseException | None) -> None:
+        """A job of reservations held by slot: committed by slot (nothing wants their entries:
+        ``_plain_commits`` held when they were reserved, and kv-events and lower tiers are only
+        set up at start), or aborted with each item failed."""
+        session = batch.session
+        if error is not None or session.closed:
+            self.tier.abort_slots(job.slots)
+            for index in job.items:
+                self._put_failure(batch, index, error)
+            return
+        self.tier.commit_slots(session.space, session.fingerprint, job.keys, job.slots, digests,
+                               job.nbytes)
+        batch.ghost_keys.extend(job.keys)
+        batch.ghost_nbytes.extend(job.sizes)
+        self._bytes_in.inc(job.total)
+        self._feed_ghosts(batch)
+
     def _put_item_failed(self, batch: Batch, index: int, entry: ChunkEntry,
                          error: BaseException | None) -> None:
         self.tier.abort(entry)
+        self._put_failure(batch, index, error)
+
+    @staticmethod
+    def _put_failure(batch: Batch, index: int, error: BaseException | None) -> None:
+        """Item ``index``'s answer once its reservation is aborted."""
         if isinstance(error, CudaContextLost):
             batch.fail(index, Status.SHUTTING_DOWN, str(error))
         elif error is not None:

@@ -39,7 +39,6 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     # ikey -> (leased entry, expiry on the monotonic clock)
     leases: dict[Hashable, tuple[ChunkEntry, float]] = field(default_factory=dict)
-    pending: set[ChunkEntry] = field(default_factory=set)  # reservations not yet committed
     in_flight: int = 0  # copy jobs that still use the staging buffer
     closed: bool = False
     batches_in_flight: int = 0  # PUT/GET batches answered later (max_in_flight_requests)

@@ -36,7 +36,7 @@ class TierIndex:
         LAYOUT_MISMATCH when it was written by another layout: never bytes for the wrong reader."""
         index = self.index
         slot = index.slot(ikey)
-        if slot < 0:
+        if slot < 0 or slot in index.reserved:  # not indexed, or a PUT's reservation (PENDING)
             return Status.MISS, None
         entry = index.entry(slot)
         if entry.state is not ChunkState.READY:
@@ -76,8 +76,9 @@ class TierIndex:
             hits = out
         fp = index.fingerprint_id(fingerprint)
         part = self.part_of_tenant(found.tenant)
-        active, fps = index.active, index.fp_column
+        active, fps, reserved = index.active, index.fp_column, index.reserved
         if ((not active or active.keys().isdisjoint(hits))
+                and (not reserved or reserved.isdisjoint(hits))
                 and (index.fingerprint_covers_all(fp)
                      or list(map(fps.__getitem__, hits)).count(fp) == len(hits))):
             # Every hit is an idle READY chunk of this layout.
@@ -89,7 +90,8 @@ class TierIndex:
         for i, slot in enumerate(out):
             if slot < 0:
                 continue
-            if flags[slot] & ACTIVE and active[slot].state is not ready:  # PENDING
+            if (flags[slot] & ACTIVE and active[slot].state is not ready) or slot in reserved:
+                # PENDING (an entry, or a reservation held by slot)
                 out[i] = MISS_SLOT
             elif fps[slot] != fp:
                 out[i] = MISMATCH_SLOT

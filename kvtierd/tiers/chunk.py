@@ -88,9 +88,10 @@ def ready_entry(ikey: Hashable, fingerprint: str, nbytes: int, runs: list[Run], 
 
 
 def pending_entry(ikey: Hashable, fingerprint: str, nbytes: int, runs: list[Run],
-                  owner: int) -> ChunkEntry:
+                  owner: int, slot: int = -1) -> ChunkEntry:
     """A new PENDING chunk's entry (a PUT item's reservation), positional like ``ready_entry``."""
-    return ChunkEntry(ikey, fingerprint, nbytes, runs, owner)
+    return ChunkEntry(ikey, fingerprint, nbytes, runs, owner, ChunkState.PENDING, b"", 0, 0,
+                      False, False, False, True, slot)
 
 
 def tenant_of(ikey: Hashable) -> str:

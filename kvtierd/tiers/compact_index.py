@@ -10,6 +10,11 @@ Why: one Python object graph per chunk (entry, runs list, key tuples, two Ordere
   (``index.get(k) is entry``) exactly as before; the object is the authority while it exists.
 * **compact form**: an idle READY chunk is only its slot's columns (``array`` slabs and one
   ``bytearray`` of checksums) plus its key bytes in one dict per key space.
+* **reserved**: a PUT's reservation of a new key made by slot (``CpuTier.reserve_slots``, the
+  request path's common case) is PENDING as columns alone, in ``reserved``, until its copy job
+  commits it straight into compact READY form (``commit_reserved``) or aborts it: no entry is
+  built and folded per chunk. Lookups, reads and deletes see it as PENDING (a miss, BUSY);
+  whoever asks for its entry (``entry``) gets a PENDING one, which then stands for it.
 * ``compact()`` folds idle active entries back into columns. The daemon calls it once per loop
   iteration, never a primitive from inside: a handler may hold an entry it got from one primitive
   while calling another, and that object must stay the indexed one until the handler is done.
@@ -31,7 +36,7 @@ from collections import Counter
 from typing import Hashable, Iterator
 
 from kvtierd.tiers.allocator import Run
-from kvtierd.tiers.chunk import ChunkEntry, ChunkState, ready_entry
+from kvtierd.tiers.chunk import ChunkEntry, ChunkState, pending_entry, ready_entry
 from kvtierd.tiers.index_batch import BatchEdits
 from kvtierd.tiers.index_bulk import BulkLoad
 from kvtierd.tiers.index_parts import (  # noqa: F401 (the flags: imported from here by the tiers)
@@ -69,6 +74,11 @@ class ChunkIndex(BulkLoad, BatchEdits):
         # takes the slot before its last read is released (``release_retired``).
         self.reads: dict[int, int] = {}
         self.retired: dict[int, ChunkEntry] = {}
+        # PUT reservations held by slot (``CpuTier.reserve_slots``): PENDING chunks with no entry
+        # object, their columns written but no checksum yet; committed or aborted by slot by the
+        # copy job that holds them. Anyone else who asks for one (``entry``) gets a PENDING entry,
+        # which from then on is the chunk's authority (the job commits or aborts that entry).
+        self.reserved: set[int] = set()
 
     # -- mapping, as callers outside the tiers use it ------------------------------------------------
     def __len__(self) -> int:
@@ -117,18 +127,21 @@ class ChunkIndex(BulkLoad, BatchEdits):
 
     # -- slots ---------------------------------------------------------------------------------------
     def entry(self, slot: int) -> ChunkEntry:
-        """The active entry of ``slot``, built from its columns if it was compact."""
+        """The active entry of ``slot``, built from its columns if it was compact (a PENDING one
+        if it was reserved by slot: the reservation is then that entry's)."""
         entry = self.active.get(slot)
         if entry is None:
             entry = self._view(slot)
             self.active[slot] = entry
             self._flags[slot] |= ACTIVE
             self._loose.add(slot)
+            self.reserved.discard(slot)
         return entry
 
     def activate(self, slot: int, ikey: Hashable, fingerprint: str) -> ChunkEntry:
         """``entry(slot)`` of a *compact* slot whose key and fingerprint the caller has just
         matched (a batched lookup): the same entry, built without looking them up again."""
+        assert slot not in self.reserved, f"activate of slot {slot}, a reservation"
         flags = self._flags[slot]
         nbytes = self._nbytes[slot]
         runs = (list(self._multi[slot]) if flags & MULTI
@@ -149,6 +162,9 @@ class ChunkIndex(BulkLoad, BatchEdits):
         assert space is not None
         runs = (list(self._multi[slot]) if flags & MULTI
                 else [(self._start[slot], max(1, -(-nbytes // self.page_bytes)))])
+        if slot in self.reserved:
+            return pending_entry((space.space, self._keys[slot]), self._fps.values[self._fp[slot]],
+                                 nbytes, runs, -1, slot)
         i = slot * CHECKSUM_BYTES
         return ready_entry((space.space, self._keys[slot]), self._fps.values[self._fp[slot]],
                            nbytes, runs, bytes(self._sum[i:i + CHECKSUM_BYTES]),
@@ -452,6 +468,9 @@ class ChunkIndex(BulkLoad, BatchEdits):
             assert bool(self._flags[slot] & MULTI) == (len(entry.runs) != 1)
             assert not self._flags[slot] & SUMMED or entry.checksum == self.checksum_column(slot), (
                 f"slot {slot}: its checksum column is stale")
+        for slot in self.reserved:
+            assert self._flags[slot] & (USED | ACTIVE | MULTI | SUMMED) == USED, (
+                f"reserved slot {slot} is not a one-run PENDING chunk without an entry")
         actives = sum(1 for f in self._flags if f & ACTIVE)
         assert actives == len(self.active), "ACTIVE flags and active entries disagree"
         assert len(self._free_slots) + len(self.retired) == len(self._keys) - self._count, (

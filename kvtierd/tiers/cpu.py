@@ -243,7 +243,8 @@ class CpuTier(CpuBatchOps, TierIndex):
         if index.fp_column[slot] != index.fingerprint_id(fingerprint):
             self.counters["layout_mismatch"] += 1
             return Status.LAYOUT_MISMATCH
-        if index.flags[slot] & ACTIVE and index.active[slot].state is ChunkState.PENDING:
+        if (index.flags[slot] & ACTIVE and index.active[slot].state is ChunkState.PENDING
+                or slot in index.reserved):
             return Status.BUSY
         if index.nbytes_of(slot) != nbytes:
             return Status.SIZE_MISMATCH
@@ -338,6 +339,8 @@ class CpuTier(CpuBatchOps, TierIndex):
         slot = self.index.slot(ikey)
         if slot < 0:
             return Status.MISS
+        if slot in self.index.reserved:  # a PUT's reservation held by slot
+            return Status.BUSY
         entry = self.index.entry(slot)
         if entry.state is ChunkState.PENDING:
             return Status.BUSY

@@ -17,7 +17,8 @@ from itertools import repeat
 from typing import Sequence
 
 from kvtierd.tiers.allocator import Run
-from kvtierd.tiers.index_parts import ACTIVE, CHECKSUM_BYTES, MULTI, USED, KeySpace
+from kvtierd.tiers.index_parts import (ACTIVE, CHECKSUM_BYTES, MULTI, SUMMED, USED, VERIFIED,
+                                       KeySpace)
 
 #: flags byte -> 1 where the slot is not a plain compact chunk (free, active or over several runs)
 _NOT_PLAIN = bytes(1 if f & (ACTIVE | MULTI) or not f & USED else 0 for f in range(256))
@@ -40,6 +41,8 @@ class BatchEdits:
                 map(self._fp.__getitem__, slots)).count(fp) != len(slots):
             return None
         if self.reads and not self.reads.keys().isdisjoint(slots):
+            return None
+        if self.reserved and not self.reserved.isdisjoint(slots):  # PENDING, held by slot
             return None
         return slots
 
@@ -76,20 +79,23 @@ class BatchEdits:
         self._loose.update(slots)
 
     def add_pending(self, space: tuple, fingerprint: str, keys: Sequence[bytes],
-                    sizes: Sequence[int], starts: Sequence[int]) -> list[int]:
+                    sizes: Sequence[int], starts: Sequence[int], by_slot: bool = False
+                    ) -> list[int]:
         """The columns of new one-run chunks of ``space`` (a PUT batch's reservations: ``keys``
         free and distinct, the caller has checked) with their first pages ``starts``; returns
         their slots, flagged ACTIVE, in order. The caller puts each chunk's entry into
         ``active`` at once (``CpuBatchOps._reserve_run``): ``add_many`` without reading the
         fields back out of entry objects, free slots taken as ``add`` takes them (last freed
-        first) and new ones appended in C."""
+        first) and new ones appended in C. ``by_slot``: the chunks stay reservations held by
+        slot (``reserved``: no entry, not flagged ACTIVE) until ``commit_reserved``."""
         n = len(keys)
         if not n:
             return []
         found = self._spaces.get(space)
         if found is None:
             found = self._new_space(space)
-        fp, sid, flag = self._fps.take_many(fingerprint, n), found.id, USED | ACTIVE
+        fp, sid, flag = (self._fps.take_many(fingerprint, n), found.id,
+                         USED if by_slot else USED | ACTIVE)
         free = self._free_slots
         take = min(len(free), n)
         slots = free[:-take - 1:-1]  # what ``take`` pops would give, in that order
@@ -118,4 +124,23 @@ class BatchEdits:
         found.keys.update(zip(keys, slots))
         assert len(found.keys) == before + n, "add_pending of a key that is indexed or repeated"
         self._count += n
+        if by_slot:
+            self.reserved.update(slots)
         return slots
+
+    def commit_reserved(self, slots: list[int], checksums: Sequence[bytes]) -> None:
+        """Reservations held by slot (every one still in ``reserved``), committed with their
+        ``checksums`` (CHECKSUM_BYTES each): straight into compact READY form, verified (what
+        ``fold`` of their committed entries would leave), with no entry built."""
+        reserved = self.reserved
+        assert reserved.issuperset(slots), "commit_reserved of a slot that is not reserved"
+        reserved.difference_update(slots)
+        sums = memoryview(self._sum)  # slice assignment: a third of a bytearray's cost
+        try:
+            for slot, checksum in zip(slots, checksums):
+                at = slot * CHECKSUM_BYTES
+                sums[at:at + CHECKSUM_BYTES] = checksum
+        finally:
+            sums.release()
+        flags = self._flags
+        deque(map(flags.__setitem__, slots, repeat(USED | SUMMED | VERIFIED)), 0)
