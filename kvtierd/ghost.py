@@ -122,10 +122,7 @@ class GhostLRU:
     def touch_many(self, keys: Iterable[int]) -> None:
         """``access`` for each key, without counting: most recent if held."""
         order = self._order
-        move = order.move_to_end
-        for key in keys:
-            if key in order:
-                move(key)
+        deque(map(order.move_to_end, filter(order.__contains__, keys)), 0)  # in C, in order
 
     def insert_many(self, keys: Iterable[int], pages: Iterable[int]) -> None:
         """``insert`` for each (key, pages), in order."""

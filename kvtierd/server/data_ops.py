@@ -86,6 +86,13 @@ class DataOps(JobCompletions):
         # Without lower tiers and with shared staging (the common case), an item is one reserve
         # and one queued copy, written out here: no call per item beyond the tier's.
         fast = not self.mover.links and staging is not None
+        if fast and blocks is None:
+            columns = requests.common_columns(items, limit)
+            if columns is not None:  # every item checked in C loops: reserved as columns
+                fast_path.reserve_items(self.tier, batch, queue,
+                                        fast_path.Checked(range(len(items)), *columns),
+                                        self._refused, self._writes_by_slot())
+                return self._built(batch, queue)
         valid: list[tuple[int, bytes, int, int]] = []  # fast: the items to reserve, in order
         for i, (key, offset, nbytes) in enumerate(items):
             # The common case in one expression; anything else gets its exact message below.
@@ -108,9 +115,14 @@ class DataOps(JobCompletions):
             else:
                 self._reserve_item(batch, queue, i, key, offset, nbytes)
         if valid:
-            fast_path.reserve_items(self.tier, batch, queue, valid, self._refused,
-                                    self._submit_writes if self._plain_commits() else None)
+            fast_path.reserve_items(self.tier, batch, queue, fast_path.Checked(*zip(*valid)),
+                                    self._refused, self._writes_by_slot())
         return self._built(batch, queue)
+
+    def _writes_by_slot(self) -> Callable[[Batch, SlotWrites], None] | None:
+        """How the fast path submits reservations held by slot, if it may make them (nothing
+        wants a PUT's chunks as entries: ``_plain_commits``)."""
+        return self._submit_writes if self._plain_commits() else None
 
     def _reserve_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
                       nbytes: int) -> None:
@@ -194,9 +206,27 @@ class DataOps(JobCompletions):
             batch.out_frames = [b""] * len(items)
             session.release_sent_replies()
         queue = self._queue(batch, job_bytes(items, self.cfg.copy_threads))
-        limit = staging.nbytes if staging is not None else -1
-        leases = session.leases
         fast = not self.mover.links and staging is not None
+        columns = requests.common_columns(items, staging.nbytes) if fast else None
+        if columns is not None:  # every item checked in C loops: looked up as columns
+            fast_path.get_items(self.tier, batch, queue,
+                                fast_path.Checked(range(len(items)), *columns), self.sessions,
+                                self._submit_reads)
+        else:
+            self._get_each(batch, queue, items, fast)
+        done = self._built(batch, queue)
+        if done is not None and staging is None:
+            self.finish(batch, done, deferred=False)  # sent tracked: its bytes count until sent
+            return None
+        return None if done is None else (done, batch.out_frames)
+
+    def _get_each(self, batch: Batch, queue: JobQueue, items: list, fast: bool) -> None:
+        """GET items checked one by one (some item is not the common case, or lower tiers or
+        inline replies): each refused with its exact message, or looked up (``fast``: the valid
+        ones as columns afterwards)."""
+        session = batch.session
+        staging, leases = session.staging, session.leases
+        limit = staging.nbytes if staging is not None else -1
         valid: list[tuple[int, bytes, int, int]] = []  # fast: the items to look up, in order
         for i, (key, offset, nbytes) in enumerate(items):
             if not (type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES and type(nbytes) is int
@@ -214,13 +244,8 @@ class DataOps(JobCompletions):
                 self.sessions.release_lease(session, (session.space, key))
             self._get_item(batch, queue, i, key, offset, nbytes)
         if valid:
-            fast_path.get_items(self.tier, batch, queue, valid, self.sessions,
-                                self._submit_reads)
-        done = self._built(batch, queue)
-        if done is not None and staging is None:
-            self.finish(batch, done, deferred=False)  # sent tracked: its bytes count until sent
-            return None
-        return None if done is None else (done, batch.out_frames)
+            fast_path.get_items(self.tier, batch, queue, fast_path.Checked(*zip(*valid)),
+                                self.sessions, self._submit_reads)
 
     def _get_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
                   nbytes: int) -> None:

@@ -14,24 +14,46 @@ committing and folding an entry per chunk was a third of a PUT item's loop CPU. 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 from kvtierd.protocol import Status
 from kvtierd.server.batch import Batch, JobQueue, SlotReads, SlotWrites
 from kvtierd.server.sessions import SessionTable
 from kvtierd.tiers.cpu import CpuTier
 
-Item = tuple[int, bytes, int, int]  # (item index, key, staging offset, nbytes), checked
+
+class Checked:
+    """A batch's checked items as columns, in item order: their indices in the request, keys,
+    staging offsets and sizes (``requests.common_columns``, or the items that passed the
+    per-item checks)."""
+
+    __slots__ = ("index", "keys", "offsets", "sizes")
+
+    def __init__(self, index: Sequence[int], keys: Sequence[bytes], offsets: Sequence[int],
+                 sizes: Sequence[int]) -> None:
+        self.index, self.keys, self.offsets, self.sizes = index, keys, offsets, sizes
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def groups(self, target: int) -> Iterator[Checked]:
+        """About one copy job of ``target`` bytes each (batches are one chunk size): slices of
+        the columns, no tuple per item."""
+        n = len(self.keys)
+        step = max(1, target // max(1, self.sizes[0]))
+        if step >= n:
+            yield self
+            return
+        for first in range(0, n, step):
+            end = first + step
+            yield Checked(self.index[first:end], self.keys[first:end],
+                          self.offsets[first:end], self.sizes[first:end])
+
+
 Refused = Callable[[Batch, int, Status, bytes, Any, int], None]
 
 
-def _groups(queue: JobQueue, items: list[Item]) -> list[list[Item]]:
-    """``items`` cut into about one copy job each (batches are one chunk size)."""
-    step = max(1, queue.target // max(1, items[0][3]))
-    return [items[first:first + step] for first in range(0, len(items), step)]
-
-
-def reserve_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item],
+def reserve_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: Checked,
                   refused: Refused, submit_writes: Callable[[Batch, SlotWrites], None] | None
                   ) -> None:
     """Reserve and queue checked PUT items; ``refused`` answers an item the tier did not
@@ -42,40 +64,39 @@ def reserve_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item
     ``reserve`` per item would."""
     session = batch.session
     space, fingerprint, owner = session.space, session.fingerprint, session.id
-    for group in _groups(queue, items):
-        sizes = [item[3] for item in group]
+    for group in items.groups(queue.target):
+        index, keys, offsets, sizes = group.index, group.keys, group.offsets, group.sizes
         nbytes = sizes[0]
         if submit_writes is not None and sizes.count(nbytes) == len(sizes):
-            keys = [item[1] for item in group]
             slots, dst = tier.reserve_slots(space, keys, nbytes, fingerprint)
-            if slots:
-                placed = len(slots)
-                part = group if placed == len(group) else group[:placed]
-                submit_writes(batch, SlotWrites([item[0] for item in part], keys[:placed], slots,
-                                                [item[2] for item in part], dst, nbytes,
-                                                placed * nbytes))
-                if placed == len(group):
+            placed = len(slots)
+            if placed:
+                whole = placed == len(keys)
+                submit_writes(batch, SlotWrites(
+                    list(index if whole else index[:placed]),
+                    list(keys if whole else keys[:placed]), slots,
+                    list(offsets if whole else offsets[:placed]), dst, nbytes, placed * nbytes))
+                if whole:
                     continue
-                group, sizes = group[placed:], sizes[placed:]
-        reserved = tier.reserve_many(space, [item[1] for item in group], sizes, fingerprint,
-                                     owner)
+                index, keys, offsets, sizes = (index[placed:], keys[placed:], offsets[placed:],
+                                               sizes[placed:])
+        reserved = tier.reserve_many(space, keys, sizes, fingerprint, owner)
         entries = [entry for _, entry in reserved]
         if None not in entries:  # every item reserved (a batch of new keys): the job in C
-            queue.add_many(list(zip([item[0] for item in group], entries,
-                                    [item[2] for item in group])), sum(sizes))
+            queue.add_many(list(zip(index, entries, offsets)), sum(sizes))
             continue
         job = []
         job_bytes = 0
-        for (i, key, offset, nbytes), (status, entry) in zip(group, reserved):
+        for i, key, offset, size, (status, entry) in zip(index, keys, offsets, sizes, reserved):
             if entry is None:
-                refused(batch, i, status, key, offset, nbytes)
+                refused(batch, i, status, key, offset, size)
             else:
                 job.append((i, entry, offset))
-                job_bytes += nbytes
+                job_bytes += size
         queue.add_many(job, job_bytes)
 
 
-def get_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item],
+def get_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: Checked,
               sessions: SessionTable, submit_reads: Callable[[Batch, SlotReads], None]) -> None:
     """Look up, acquire and queue checked GET items (a miss is answered in ``results``). A hit
     the tier holds by slot goes into one ``SlotReads`` job per group (``submit_reads``); any other
@@ -84,23 +105,21 @@ def get_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: list[Item],
     completing inline could let an eviction take a chunk that is neither leased nor acquired."""
     session = batch.session
     results = batch.results
-    for group in _groups(queue, items):
-        keys = [item[1] for item in group]
+    for group in items.groups(queue.target):
+        index, keys, offsets, sizes = group.index, group.keys, group.offsets, group.sizes
         if session.leases:  # a GET consumes the lease
             for key in keys:
                 sessions.release_lease(session, (session.space, key))
         batch.ghost_keys.extend(keys)  # the read refreshes the key in the ghosts, hit or not
-        found, held, pages = tier.acquire_slots(session.space, keys, [item[3] for item in group],
-                                                session.fingerprint)
-        if len(held) == len(group):  # every item a hit held by slot: columns straight away
-            sizes = [item[3] for item in group]
-            submit_reads(batch, SlotReads([item[0] for item in group], held, found,
-                                          [item[2] for item in group], sizes, pages, sum(sizes)))
+        found, held, pages = tier.acquire_slots(session.space, keys, sizes, session.fingerprint)
+        if len(held) == len(keys):  # every item a hit held by slot: columns straight away
+            submit_reads(batch, SlotReads(list(index), held, found, list(offsets), list(sizes),
+                                          pages, sum(sizes)))
             continue
         reads = SlotReads([], held, [], [], [], pages, 0)
         job = []
         job_bytes = 0
-        for (i, _, offset, nbytes), got in zip(group, found):
+        for i, offset, nbytes, got in zip(index, offsets, sizes, found):
             if type(got) is not int:
                 job.append((i, got, offset))
                 job_bytes += nbytes

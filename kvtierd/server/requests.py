@@ -7,7 +7,8 @@ any length, nested maps of any depth never get past this module.
 
 from __future__ import annotations
 
-from typing import Any
+from operator import add
+from typing import Any, Sequence
 
 from kvtierd import event_blocks
 from kvtierd.protocol import MAX_KEY_BYTES, ProtocolError, Status
@@ -112,12 +113,40 @@ def batch(header: dict, name: str, limit: int) -> list:
 
 def items(header: dict, limit: int) -> list[Item]:
     out = batch(header, "items", limit)
+    if _ITEM_TYPES.issuperset(map(type, out)) and set(map(len, out)) == _THREE:
+        return out  # every item a [key, offset, nbytes] (the common case: two C loops)
     for i, item in enumerate(out):
         if not isinstance(item, (list, tuple)) or len(item) != 3:
             raise ProtocolError(
                 Status.BAD_REQUEST, f"items[{i}] is {item!r:.80}; expected [key, offset, nbytes]"
             )
     return out
+
+
+_ITEM_TYPES = frozenset((list, tuple))
+_THREE = {3}
+_BYTES = {bytes}
+_INT = {int}
+
+Columns = tuple[Sequence[bytes], Sequence[int], Sequence[int]]
+
+
+def common_columns(items: list[Item], limit: int) -> Columns | None:
+    """``items`` (checked by ``items``) as columns — keys, staging offsets, sizes — when every
+    item is the common case: a key of bytes (1..MAX_KEY_BYTES long), int offset >= 0 and
+    nbytes > 0 within ``limit`` bytes of shared staging. None as soon as one is not (the caller
+    then checks item by item for the exact message). Every check is a C loop over a column:
+    at 16 KiB chunks one Python condition per item was a tenth of the loop's time per item."""
+    if not items or limit < 0:
+        return None
+    keys, offsets, sizes = zip(*items)
+    if (set(map(type, keys)) != _BYTES or set(map(type, offsets)) != _INT
+            or set(map(type, sizes)) != _INT):
+        return None  # bool is not int here either: type(True) is bool
+    if (min(map(len, keys)) == 0 or max(map(len, keys)) > MAX_KEY_BYTES or min(offsets) < 0
+            or min(sizes) <= 0 or max(map(add, offsets, sizes)) > limit):
+        return None
+    return keys, offsets, sizes
 
 
 def key_problem(key: Any) -> tuple[Status, str] | None:

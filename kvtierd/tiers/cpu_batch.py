@@ -13,6 +13,7 @@ of calling its per-item primitive on every item in order; the unit tests compare
 from __future__ import annotations
 
 from itertools import repeat
+from operator import mul
 from typing import TYPE_CHECKING, Sequence
 
 from kvtierd.protocol import Status
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 _MISS, _MISMATCH, _SIZE, _BUSY = (int(Status.MISS), int(Status.LAYOUT_MISMATCH),
                                   int(Status.SIZE_MISMATCH), int(Status.BUSY))
 _OK = int(Status.OK)
+#: flags byte -> 1 where a compact chunk cannot be held by slot (several runs, or unverified)
+_NOT_HELD_BY_SLOT = bytes(0 if f & (MULTI | VERIFIED) == VERIFIED else 1 for f in range(256))
 _READY, _PENDING = ChunkState.READY, ChunkState.PENDING
 #: Allocator passes per reserve_many before the rest goes item by item: each pass after the first
 #: follows an eviction down to the low watermark, so a batch rarely needs more than two.
@@ -277,6 +280,9 @@ class CpuBatchOps:
         found = index.key_space(space)
         if found is None:
             return [-_MISS] * len(keys), [], 0
+        plain = self._acquire_plain(found, keys, sizes, fingerprint)
+        if plain is not None:
+            return plain
         get, active, fps, flags = found.keys.get, index.active, index.fp_column, index.flags
         starts, lengths, reads = index.start_column, index.nbytes_column, index.reads
         reserved = index.reserved
@@ -339,6 +345,39 @@ class CpuBatchOps:
         if mismatches:
             self.counters["layout_mismatch"] += mismatches
         return out, held, pages
+
+    def _acquire_plain(self: CpuTier, found: KeySpace, keys: Sequence[bytes],
+                       sizes: Sequence[int], fingerprint: str
+                       ) -> tuple[list[ChunkEntry | int], list[int], int] | None:
+        """``acquire_slots`` of a batch whose every key is a distinct, compact, verified
+        one-run chunk of the reader's layout and size, none read by slot yet (a GET of what a
+        PUT stored): what its per-key loop gives, in C loops over the columns. None when any key
+        is not (the loop then goes key by key)."""
+        index = self.index
+        slots = list(map(found.keys.get, keys, repeat(-1)))
+        n = len(slots)
+        if (not n or -1 in slots or len(set(slots)) != n
+                or (index.active and not index.active.keys().isdisjoint(slots))
+                or (index.reserved and not index.reserved.isdisjoint(slots))
+                or (index.reads and not index.reads.keys().isdisjoint(slots))):
+            return None
+        fp = index.fingerprint_id(fingerprint)
+        if not index.fingerprint_covers_all(fp) and list(
+                map(index.fp_column.__getitem__, slots)).count(fp) != n:
+            return None
+        if list(map(index.nbytes_column.__getitem__, slots)) != list(sizes):
+            return None
+        if 1 in bytes(map(index.flags.__getitem__, slots)).translate(_NOT_HELD_BY_SLOT):
+            return None
+        index.reads.update(zip(slots, repeat(1)))
+        page = self.page_bytes
+        if sizes.count(sizes[0]) == n:  # one chunk size (most batches)
+            pages = n * (-(-sizes[0] // page) or 1)
+        else:
+            pages = sum([-(-nbytes // page) or 1 for nbytes in sizes])
+        self.held_pages += pages
+        self.policy.touch_many(slots, self.part_of_tenant(found.tenant))
+        return list(map(mul, map(index.start_column.__getitem__, slots), repeat(page))), slots, pages
 
     def release_slots(self: CpuTier, slots: Sequence[int], pages: int) -> None:
         """Release reads held by slot (``acquire_slots``): ``slots`` as it returned them,

@@ -569,3 +569,56 @@ def test_commit_slots_writes_the_index_rows_before_ready(pair, tmp_path):
         assert entry.state is ChunkState.READY and entry.checksum == digest and entry.verified
     tier.check_invariants()
     db.close()
+
+
+@pytest.mark.parametrize("case", ["stored", "repeat", "size", "layout", "held", "entry",
+                                  "reserved", "miss"])
+def test_acquire_slots_of_a_stored_batch_takes_columns_only_when_the_loop_would_agree(pair, case):
+    """A GET of exactly what a PUT stored is held by slot in C loops over the columns
+    (``_acquire_plain``); any batch with one key that is not such a chunk goes key by key. Both
+    give what the per-item primitives give."""
+    each, batch = pair
+    keys = [f"g{i}".encode() for i in range(8)]
+    sizes = [2 * PAGE - 5] * 8
+    for tier in pair:
+        put_batch(tier, SPACE, keys, sizes) if tier is batch else put_each(tier, SPACE, keys,
+                                                                           sizes)
+        tier.compact()
+    fp = "fp"
+    earlier = None
+    if case == "repeat":
+        keys = keys + keys[:1]
+        sizes = sizes + sizes[:1]
+    elif case == "size":
+        sizes = sizes[:-1] + [PAGE]
+    elif case == "layout":
+        fp = "fp-other"
+    elif case == "held":  # an earlier GET still holds one of them by slot
+        earlier = Reads(each, batch, SPACE, keys[:1], sizes[:1], fp)
+    elif case == "entry":  # someone holds an entry of one (until the next compact)
+        for tier in pair:
+            tier.index.entry(tier.index.slot((SPACE, keys[3])))
+    elif case == "reserved":
+        for tier in pair:
+            tier.delete((SPACE, keys[2]))
+        assert batch.reserve_slots(SPACE, keys[2:3], sizes[2], fp)[0]
+        each.reserve((SPACE, keys[2]), fp, sizes[2], 1)
+    elif case == "miss":
+        keys = keys + [b"never"]
+        sizes = sizes + [PAGE]
+    found = batch.index.key_space(SPACE)
+    plain = batch._acquire_plain(found, keys, sizes, fp) is not None
+    assert plain == (case == "stored")
+    if plain:  # that call held them: give them back, then acquire for real
+        batch.release_slots([batch.index.slot((SPACE, k)) for k in keys],
+                            sum(-(-n // PAGE) for n in sizes))
+    reads = Reads(each, batch, SPACE, keys, sizes, fp)
+    a, b = reads.outcomes()
+    assert a == b
+    reads.check_bytes()
+    each.check_invariants()
+    batch.check_invariants()
+    reads.release()
+    if earlier is not None:
+        earlier.release()
+    assert state(each) == state(batch)
