@@ -122,7 +122,10 @@ class GhostLRU:
     def touch_many(self, keys: Iterable[int]) -> None:
         """``access`` for each key, without counting: most recent if held."""
         order = self._order
-        deque(map(order.move_to_end, filter(order.__contains__, keys)), 0)  # in C, in order
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
 
     def insert_many(self, keys: Iterable[int], pages: Iterable[int]) -> None:
         """``insert`` for each (key, pages), in order."""

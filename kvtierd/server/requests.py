@@ -140,10 +140,10 @@ def common_columns(items: list[Item], limit: int) -> Columns | None:
     if not items or limit < 0:
         return None
     keys, offsets, sizes = zip(*items)
-    if (set(map(type, keys)) != _BYTES or set(map(type, offsets)) != _INT
-            or set(map(type, sizes)) != _INT):
+    if set(map(type, keys)) != _BYTES or set(map(type, offsets + sizes)) != _INT:
         return None  # bool is not int here either: type(True) is bool
-    if (min(map(len, keys)) == 0 or max(map(len, keys)) > MAX_KEY_BYTES or min(offsets) < 0
+    lengths = list(map(len, keys))
+    if (min(lengths) == 0 or max(lengths) > MAX_KEY_BYTES or min(offsets) < 0
             or min(sizes) <= 0 or max(map(add, offsets, sizes)) > limit):
         return None
     return keys, offsets, sizes
