@@ -373,32 +373,24 @@ class DataOps(JobCompletions):
     # -- copies --------------------------------------------------------------------------------------
     def _submit(self, batch: Batch, job: list, nbytes: int) -> None:
         """Run one copy job of ``batch`` (inline if small: kvtierd.copy.engine)."""
-        session = batch.session
         fn = copy_jobs.copy_in if batch.op is Op.PUT else copy_jobs.copy_out
-        batch.jobs_left += 1
-        session.in_flight += 1
-        done = self.engine.submit(nbytes, partial(fn, session.staging, self.tier.arena,
-                                                  self.tier.segments, job), (batch, job))
-        if done is not None:
-            self.on_copy_done(*done)
+        self._run_job(batch, job, nbytes, partial(fn, batch.session.staging, self.tier.arena,
+                                                  self.tier.segments, job))
 
     def _submit_writes(self, batch: Batch, writes: SlotWrites) -> None:
         """Run one PUT job of reservations held by slot (inline if small)."""
-        session = batch.session
-        batch.jobs_left += 1
-        session.in_flight += 1
-        done = self.engine.submit(writes.total, partial(copy_jobs.copy_writes_in, session.staging,
-                                                        self.tier.arena, writes), (batch, writes))
-        if done is not None:
-            self.on_copy_done(*done)
+        self._run_job(batch, writes, writes.total, partial(
+            copy_jobs.copy_writes_in, batch.session.staging, self.tier.arena, writes))
 
     def _submit_reads(self, batch: Batch, reads: SlotReads) -> None:
         """Run one GET job of chunks held by slot (inline if small)."""
-        session = batch.session
+        self._run_job(batch, reads, reads.nbytes, partial(
+            copy_jobs.copy_reads_out, batch.session.staging, self.tier.arena, reads))
+
+    def _run_job(self, batch: Batch, job: Any, nbytes: int, copy: Callable[[], Any]) -> None:
         batch.jobs_left += 1
-        session.in_flight += 1
-        done = self.engine.submit(reads.nbytes, partial(copy_jobs.copy_reads_out, session.staging,
-                                                        self.tier.arena, reads), (batch, reads))
+        batch.session.in_flight += 1
+        done = self.engine.submit(nbytes, copy, (batch, job))
         if done is not None:
             self.on_copy_done(*done)
 

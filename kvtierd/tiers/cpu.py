@@ -33,6 +33,7 @@ from kvtierd.tiers.allocator import PageAllocator, Run, trim_runs
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.base import TierIndex
 from kvtierd.tiers.cpu_batch import CpuBatchOps
+from kvtierd.tiers.cpu_reserved import CpuReservedOps
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, pending_entry, segments, tenant_of
 from kvtierd.tiers.compact_index import ACTIVE, ChunkIndex
 from kvtierd.tiers import index_restore
@@ -41,7 +42,7 @@ from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
 log = logging.getLogger(__name__)
 
 
-class CpuTier(CpuBatchOps, TierIndex):
+class CpuTier(CpuBatchOps, CpuReservedOps, TierIndex):
     name = "cpu"
 
     def __init__(

@@ -70,83 +70,6 @@ class CpuBatchOps:
                 break
         return self._reserve_each(out, pos, space, keys, sizes, fingerprint, owner)
 
-    def reserve_slots(self: CpuTier, space: tuple, keys: Sequence[bytes], nbytes: int,
-                      fingerprint: str) -> tuple[list[int], list[int]]:
-        """``reserve`` of the first items of a batch of new keys of ``nbytes`` each, held by slot
-        (``ChunkIndex.reserved``): no entry object, no owner (nothing reads it; the copy job that
-        holds the slots commits or aborts them: ``commit_slots``, ``abort_slots``).
-
-        Only where each item's ``reserve`` would place it without evicting: keys distinct and
-        none indexed, a tenant without a quota, free runs for them; items are placed in order
-        up to the first that finds no run. Returns the slots and their payloads' arena byte
-        offsets, for that prefix (empty lists: the caller reserves them as entries, which
-        evicts or refuses as ``reserve`` does)."""
-        pages = self.pages_for(nbytes)
-        index = self.index
-        found = index.key_space(space)
-        if (not keys or pages > self.num_pages or self.quota_pages(space[0])
-                or len(set(keys)) != len(keys)
-                or (found is not None and not found.keys.keys().isdisjoint(keys))):
-            return [], []
-        runs = self.allocator.allocate_many(pages, len(keys))
-        if not runs:
-            return [], []
-        starts = [run[0] for run in runs]
-        placed = len(runs)
-        slots = index.add_pending(space, fingerprint, keys[:placed] if placed < len(keys)
-                                  else keys, [nbytes] * placed, starts, by_slot=True)
-        self._count_placed(space, placed, pages)
-        page = self.page_bytes
-        return slots, [start * page for start in starts]
-
-    def commit_slots(self: CpuTier, space: tuple, fingerprint: str, keys: Sequence[bytes],
-                     slots: list[int], checksums: Sequence[bytes], nbytes: int) -> None:
-        """``commit`` of reservations held by slot (``reserve_slots``: ``keys`` of ``space`` and
-        ``fingerprint``, ``nbytes`` each, at ``slots``) with their checksums, in order: one index transaction
-        (durable before any is READY), the columns written, one policy call. A reservation that
-        someone turned into an entry meanwhile (``ChunkIndex.entry``) is committed as that
-        entry."""
-        index = self.index
-        if self.db is not None:
-            pages_each = self.pages_for(nbytes)
-            starts = index.start_column
-            self.db.insert([IndexRow.of((space, key), fingerprint, nbytes, checksum,
-                                        [(starts[slot], pages_each)])
-                            for key, slot, checksum in zip(keys, slots, checksums)])
-        if not slots:
-            return
-        reserved = index.reserved
-        if reserved.issuperset(slots):  # nobody asked for any of them (always, in practice)
-            index.commit_reserved(slots, checksums)
-        else:
-            mine: list[int] = []
-            sums: list[bytes] = []
-            for slot, checksum in zip(slots, checksums):
-                if slot in reserved:
-                    mine.append(slot)
-                    sums.append(checksum)
-                else:  # an entry now: what ``commit`` does to it, but for the counters below
-                    entry = index.active[slot]
-                    assert entry.state is _PENDING, f"reserved slot {slot} left PENDING"
-                    entry.state = _READY
-                    entry.checksum = checksum
-                    index.loosen(entry)
-            index.commit_reserved(mine, sums)
-        self.policy.insert_many(slots, self.part_of(slots[0]))
-        count = len(slots)
-        pages = count * self.pages_for(nbytes)
-        self.pending_chunks -= count
-        self.pending_pages -= pages
-        self.ready_chunks += count
-        self.ready_pages += pages
-        self.counters["commits"] += count
-
-    def abort_slots(self: CpuTier, slots: Sequence[int]) -> None:
-        """``abort`` of reservations held by slot (their copy failed, or the session ended)."""
-        entry = self.index.entry
-        for slot in slots:
-            self.abort(entry(slot))
-
     def _reserve_each(self: CpuTier, out: list, pos: int, space: tuple, keys: Sequence[bytes],
                       sizes: Sequence[int], fingerprint: str, owner: int) -> list:
         for i in range(pos, len(keys)):
@@ -377,7 +300,8 @@ class CpuBatchOps:
             pages = sum([-(-nbytes // page) or 1 for nbytes in sizes])
         self.held_pages += pages
         self.policy.touch_many(slots, self.part_of_tenant(found.tenant))
-        return list(map(mul, map(index.start_column.__getitem__, slots), repeat(page))), slots, pages
+        offsets = list(map(mul, map(index.start_column.__getitem__, slots), repeat(page)))
+        return offsets, slots, pages
 
     def release_slots(self: CpuTier, slots: Sequence[int], pages: int) -> None:
         """Release reads held by slot (``acquire_slots``): ``slots`` as it returned them,
