@@ -58,10 +58,10 @@ class CpuReservedOps:
     def commit_slots(self: CpuTier, space: tuple, fingerprint: str, keys: Sequence[bytes],
                      slots: list[int], checksums: Sequence[bytes], nbytes: int) -> None:
         """``commit`` of reservations held by slot (``reserve_slots``: ``keys`` of ``space`` and
-        ``fingerprint``, ``nbytes`` each, at ``slots``) with their checksums, in order: one index transaction
-        (durable before any is READY), the columns written, one policy call. A reservation that
-        someone turned into an entry meanwhile (``ChunkIndex.entry``) is committed as that
-        entry."""
+        ``fingerprint``, ``nbytes`` each, at ``slots``) with their checksums, in order: one index
+        transaction (durable before any is READY), the columns written, one policy call. A
+        reservation that someone turned into an entry meanwhile (``ChunkIndex.entry``) is
+        committed as that entry."""
         index = self.index
         if self.db is not None:
             pages_each = self.pages_for(nbytes)
