@@ -33,9 +33,6 @@ class Checked:
                  sizes: Sequence[int]) -> None:
         self.index, self.keys, self.offsets, self.sizes = index, keys, offsets, sizes
 
-    def __len__(self) -> int:
-        return len(self.keys)
-
     def groups(self, target: int) -> Iterator[Checked]:
         """About one copy job of ``target`` bytes each (batches are one chunk size): slices of
         the columns, no tuple per item."""

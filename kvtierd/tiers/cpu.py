@@ -340,8 +340,6 @@ class CpuTier(CpuBatchOps, CpuReservedOps, TierIndex):
         slot = self.index.slot(ikey)
         if slot < 0:
             return Status.MISS
-        if slot in self.index.reserved:  # a PUT's reservation held by slot
-            return Status.BUSY
         entry = self.index.entry(slot)
         if entry.state is ChunkState.PENDING:
             return Status.BUSY
