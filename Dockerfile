@@ -7,10 +7,14 @@
 # metrics address) or yours mounted over it, then KVTIERD_* variables and flags you pass. The image
 # sets no KVTIERD_* variable but KVTIERD_CONFIG, so nothing hidden overrides a mounted file.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# The wheel is built where a C compiler is (the full image of the same Python and Debian release):
+# setup.py's kvtierd.copy._ranges, the GIL-free copy loop of small-chunk jobs. The slim image has
+# none, and the build would go on without it (it is optional), leaving the daemon slower.
+ARG BUILD_IMAGE=python:3.11-bookworm
 
-FROM ${PYTHON_IMAGE} AS build
+FROM ${BUILD_IMAGE} AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kvtierd ./kvtierd
 COPY client ./client
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .

@@ -48,13 +48,18 @@ QUICK_SIZES = {"16KiB": 16 * 1024, "64KiB": 64 * 1024, "256KiB": 256 * 1024}
 QUICK_BATCH_BYTES = 1024**2
 
 
-def start_daemon(workdir: Path, cpu_bytes: str) -> tuple[subprocess.Popen, str]:
+def start_daemon(workdir: Path, cpu_bytes: str, nvme_bytes: str = "0"
+                 ) -> tuple[subprocess.Popen, str]:
     address = f"ipc://{workdir / 'kvtierd.sock'}"
+    # No NVMe tier by default: this is the CPU path, and a default tier would preallocate 4 GiB
+    # under the state directory (named after this run's socket, so never reused) on every run.
+    # With one (--nvme-bytes), PUT commits go through entries (the chain publishes them), as in a
+    # default deployment; its files live in this run's workdir.
+    nvme = ["--nvme-bytes", nvme_bytes] + (
+        ["--nvme-dir", str(workdir / "nvme")] if nvme_bytes != "0" else [])
     proc = subprocess.Popen(
-        # No NVMe tier: this is the CPU path, and a default tier would preallocate 4 GiB under the
-        # state directory (named after this run's socket, so never reused) on every run.
         [sys.executable, "-m", "kvtierd", "serve", "--socket", address, "--cpu-bytes", cpu_bytes,
-         "--nvme-bytes", "0", "--metrics-addr", "off", "--log-level", "WARNING"])
+         *nvme, "--metrics-addr", "off", "--log-level", "WARNING"])
     deadline = time.monotonic() + 60
     probe = zmq.Context.instance().socket(zmq.DEALER)
     probe.connect(address)
@@ -217,6 +222,9 @@ def main() -> int:
                         help="tiny sizes, one round, no Redis: checks that every row runs")
     parser.add_argument("--sizes", default="",
                         help="comma-separated chunk sizes to run (default: all), e.g. 16KiB,64KiB")
+    parser.add_argument("--nvme-bytes", default="0",
+                        help="give the daemon an NVMe tier of this size below the CPU tier (its "
+                             "PUTs then commit entries, as a default deployment's do); default 0")
     args = parser.parse_args()
     sizes, batch_bytes = (QUICK_SIZES, QUICK_BATCH_BYTES) if args.quick else (SIZES, BATCH_BYTES)
     if args.sizes:
@@ -227,9 +235,9 @@ def main() -> int:
         sizes = {w: SIZES[w] for w in wanted}
     rounds, pings, warmup = (1, 20, 5) if args.quick else (args.rounds, args.pings, 200)
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
-    proc, address = start_daemon(workdir, "64MiB" if args.quick else "1GiB")
+    proc, address = start_daemon(workdir, "64MiB" if args.quick else "1GiB", args.nvme_bytes)
     redis_handle, redis_note = (None, "--quick") if args.quick else start_redis(workdir)
-    results: dict = {"sizes": {}, "notes": [], "quick": args.quick}
+    results: dict = {"sizes": {}, "notes": [], "quick": args.quick, "nvme_bytes": args.nvme_bytes}
     try:
         session = Session(address, batch_bytes)
         for label, size in sizes.items():

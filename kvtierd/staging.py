@@ -126,9 +126,10 @@ class MemfdStaging:
         return memcpy.copy_in(self.address, offset, arena.address, segments, arena.view)
 
     def copy_in_ranges(self, arena: Arena, srcs: list[int], dsts: list[int],
-                       nbytes: int) -> list[bytes]:
-        """``nbytes`` at staging offset ``srcs[i]`` → arena offset ``dsts[i]``; checksums."""
-        return memcpy.copy_in_ranges(self.address, srcs, arena.address, dsts, nbytes, arena.view)
+                       sizes: int | list[int]) -> list[bytes]:
+        """``sizes`` (or ``sizes[i]``) bytes at staging offset ``srcs[i]`` → arena offset
+        ``dsts[i]``; checksums."""
+        return memcpy.copy_in_ranges(self.address, srcs, arena.address, dsts, sizes, arena.view)
 
     def copy_out(self, arena: Arena, segments: list[tuple[int, int]], offset: int) -> None:
         memcpy.copy_out(arena.address, segments, self.address, offset)

@@ -178,9 +178,12 @@ class CudaIpcStaging:
         return memcpy.checksum(arena.view, segments)
 
     def copy_in_ranges(self, arena: Arena, srcs: list[int], dsts: list[int],
-                       nbytes: int) -> list[bytes]:
-        """``nbytes`` at staging offset ``srcs[i]`` → arena offset ``dsts[i]``; checksums."""
-        return [self.copy_in(src, arena, [(dst, nbytes)]) for src, dst in zip(srcs, dsts)]
+                       sizes: int | list[int]) -> list[bytes]:
+        """``sizes`` (or ``sizes[i]``) bytes at staging offset ``srcs[i]`` → arena offset
+        ``dsts[i]``; checksums."""
+        each = [sizes] * len(srcs) if type(sizes) is int else sizes
+        return [self.copy_in(src, arena, [(dst, nbytes)])
+                for src, dst, nbytes in zip(srcs, dsts, each)]
 
     def copy_out(self, arena: Arena, segments: list[tuple[int, int]], offset: int) -> None:
         """Arena → staging (host to device); returns once the bytes are on the device."""

@@ -22,8 +22,13 @@ def copy_in(staging: Any, arena: Any, segments: Segments, job: Job) -> list[byte
     """Staging (or payload frames) → the entries' arena pages; the xxh3-128 of each chunk."""
     if staging is None:
         return [_frame_in(memoryview(frame), arena, segments(entry)) for _, entry, frame in job]
+    segs = [segments(entry) for _, entry, _ in job]
+    if all(len(seg) == 1 for seg in segs):  # each chunk one run of pages: one call for the job
+        runs = [seg[0] for seg in segs]
+        return staging.copy_in_ranges(arena, [offset for _, _, offset in job],
+                                      [run[0] for run in runs], [run[1] for run in runs])
     put = staging.copy_in
-    return [put(offset, arena, segments(entry)) for _, entry, offset in job]
+    return [put(offset, arena, seg) for (_, _, offset), seg in zip(job, segs)]
 
 
 def copy_out(staging: Any, arena: Any, segments: Segments, job: Job) -> set[int]:

@@ -4,11 +4,16 @@
 parallel with the request loop and with each other. The checksum (xxh3-128, also GIL-free) is
 computed piece by piece right after each piece is copied, while it is still in cache, so a PUT reads
 the payload from DRAM once instead of twice.
+
+A job of many one-range chunks (``copy_in_ranges``, ``copy_out_many``) goes to the compiled
+``kvtierd.copy._ranges`` where it was built: the whole job in one call that releases the GIL once,
+instead of one release (two for a PUT: memmove, then xxh3) per chunk. ``NATIVE`` says which runs.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import xxhash
 
@@ -17,6 +22,44 @@ PIECE_BYTES = 256 * 1024  # measured best of 64 KiB..2 MiB here
 
 _memmove = ctypes.memmove
 _digest = xxhash.xxh3_128_digest  # one-shot: the same digest as the streaming hasher
+
+
+def _xxh3_128_address() -> int | None:
+    """The address of the ``XXH3_128bits`` that the ``xxhash`` package's extension exports, if it
+    does and it gives ``xxh3_128_digest``'s digests through ``_ranges`` (checked on random data of
+    the lengths where xxh3 changes its method); else None, and PUT jobs hash in Python."""
+    try:
+        from kvtierd.copy import _ranges  # noqa: PLC0415 (optional: absent without a compiler)
+
+        lib = ctypes.CDLL(xxhash._xxhash.__file__)
+        address = ctypes.cast(lib.XXH3_128bits, ctypes.c_void_p).value
+    except (ImportError, AttributeError, OSError):
+        return None
+    if not address:
+        return None
+    lengths = [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 4096, 16384 + 5, PIECE_BYTES]
+    src = bytearray(os.urandom(sum(lengths)))
+    dst = bytearray(len(src))
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    src_address = ctypes.addressof(ctypes.c_char.from_buffer(src))
+    dst_address = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    for offset, length in zip(offsets, lengths):
+        got = _ranges.copy_hash_many(dst_address, [offset], src_address, [offset], length,
+                                     address)
+        if got != [_digest(src[offset:offset + length])]:
+            return None
+    return address
+
+
+try:
+    from kvtierd.copy import _ranges
+except ImportError:  # built without a C compiler (setup.py: the extension is optional)
+    _ranges = None
+_XXH3_128 = _xxh3_128_address() if _ranges is not None else None
+#: Which copies jobs of one-range chunks run: "compiled copies and xxh3" (one GIL release per
+#: job), "compiled copies, xxh3 in Python", or "ctypes" (per chunk).
+NATIVE = ("compiled copies and xxh3" if _XXH3_128 is not None else
+          "compiled copies, xxh3 in Python" if _ranges is not None else "ctypes")
 
 
 def copy_in(
@@ -48,16 +91,34 @@ def copy_in(
 
 
 def copy_in_ranges(src_address: int, srcs: list[int], dst_address: int, dsts: list[int],
-                   nbytes: int, dst_view: memoryview) -> list[bytes]:
-    """``copy_in`` of many one-range chunks of ``nbytes`` each: ``srcs[i]`` of the source to
-    ``dsts[i]`` of the destination (a PUT job of reservations held by slot: one loop, no list
-    of segments per chunk); their xxh3-128s."""
-    if nbytes > PIECE_BYTES:  # hashed piece by piece while in cache
+                   sizes: int | list[int], dst_view: memoryview) -> list[bytes]:
+    """``copy_in`` of many one-range chunks: ``srcs[i]`` of the source to ``dsts[i]`` of the
+    destination, ``sizes`` bytes each (an int) or ``sizes[i]`` (a list); their xxh3-128s. A PUT
+    job of reservations held by slot, or of entries whose pages are one run: one call, no list
+    of segments per chunk."""
+    if (sizes if type(sizes) is int else max(sizes, default=0)) > PIECE_BYTES:
+        each = [sizes] * len(srcs) if type(sizes) is int else sizes
         return [copy_in(src_address, src, dst_address, [(dst, nbytes)], dst_view)
-                for src, dst in zip(srcs, dsts)]
+                for src, dst, nbytes in zip(srcs, dsts, each)]  # hashed piece by piece
+    if _XXH3_128 is not None:
+        return _ranges.copy_hash_many(dst_address, dsts, src_address, srcs, sizes, _XXH3_128)
+    return copy_in_ranges_ctypes(src_address, srcs, dst_address, dsts, sizes, dst_view)
+
+
+def copy_in_ranges_ctypes(src_address: int, srcs: list[int], dst_address: int, dsts: list[int],
+                          sizes: int | list[int], dst_view: memoryview) -> list[bytes]:
+    """``copy_in_ranges`` of chunks of at most PIECE_BYTES, a memmove and a hash call each (where
+    ``_ranges`` was not built or its xxh3 did not check out; and the reference it is tested
+    against)."""
     out: list[bytes] = []
     append = out.append
-    for src, dst in zip(srcs, dsts):
+    if type(sizes) is int:
+        nbytes = sizes
+        for src, dst in zip(srcs, dsts):
+            _memmove(dst_address + dst, src_address + src, nbytes)
+            append(_digest(dst_view[dst:dst + nbytes]))
+        return out
+    for src, dst, nbytes in zip(srcs, dsts, sizes):
         _memmove(dst_address + dst, src_address + src, nbytes)
         append(_digest(dst_view[dst:dst + nbytes]))
     return out
@@ -78,6 +139,16 @@ def copy_out_many(src_address: int, srcs: list[int], dst_address: int, dsts: lis
     """``copy_out`` of many one-range chunks: ``sizes[i]`` bytes at ``srcs[i]`` of the source
     to ``dsts[i]`` of the destination (a GET job of reads held by slot: one call, no list of
     segments per chunk)."""
+    if _ranges is not None:
+        _ranges.copy_many(dst_address, dsts, src_address, srcs, sizes)
+    else:
+        copy_out_many_ctypes(src_address, srcs, dst_address, dsts, sizes)
+
+
+def copy_out_many_ctypes(src_address: int, srcs: list[int], dst_address: int, dsts: list[int],
+                         sizes: list[int]) -> None:
+    """``copy_out_many`` with one ctypes memmove per chunk (without ``_ranges``; the reference
+    it is tested against)."""
     for src, dst, nbytes in zip(srcs, dsts, sizes):
         _memmove(dst_address + dst, src_address + src, nbytes)
 

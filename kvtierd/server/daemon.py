@@ -25,6 +25,7 @@ import zmq
 
 from kvtierd import __version__, cuda_health, event_snapshot
 from kvtierd.config import Config
+from kvtierd.copy import memcpy
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.events import NO_EVENTS, ChainEventsAdapter, EventsCollector, NoEvents
 from kvtierd.ghost import GhostCaches, GhostCollector
@@ -223,9 +224,9 @@ class Daemon:
                 for tier, ikey, info in recovered:  # ... but what it recovered is here
                     self.events.stored(ikey, tier, info)
                 self.events.flush()  # queued before any request is answered, not after the first
-            log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes)",
-                     __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
-                     self.cfg.page_bytes)
+            log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes, "
+                     "host copies: %s)", __version__, self.cfg.socket, PROTOCOL_VERSION,
+                     self.cfg.cpu_bytes, self.cfg.page_bytes, memcpy.NATIVE)
             if self.cfg.cuda_pin_arena:
                 self.pinner.start()  # cudaHostRegister in the background (no CUDA: "unavailable")
             self._announce_when_pinned()

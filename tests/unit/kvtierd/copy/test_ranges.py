@@ -1,0 +1,123 @@
+"""kvtierd.copy._ranges (the compiled copy job) against the ctypes reference, byte for byte.
+
+The test environment builds the extension (``pip install -e .`` compiles it in place), so these
+tests insist that it is there and that its xxh3 passed the start-up check: a silent fall back to
+ctypes would hide a slower daemon, not a wrong one.
+"""
+
+import ctypes
+import random
+
+import pytest
+import xxhash
+
+from kvtierd.copy import memcpy
+
+POISON = 0xC5
+
+
+def address(buf: bytearray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def test_the_extension_is_built_and_its_xxh3_checked_out():
+    assert memcpy.NATIVE == "compiled copies and xxh3"
+    assert memcpy._ranges is not None and memcpy._XXH3_128
+
+
+def scattered_job(rng: random.Random, count: int, nbytes: int) -> tuple[list[int], list[int], int]:
+    """Source and destination offsets of ``count`` ranges of ``nbytes``, shuffled, with gaps; the
+    size a buffer must have to hold either side."""
+    slots = list(range(count))
+    rng.shuffle(slots)
+    stride = nbytes + rng.randint(0, 64)
+    srcs = [i * stride + rng.randint(0, stride - nbytes) for i in range(count)]
+    dsts = [slot * stride + rng.randint(0, stride - nbytes) for slot in slots]
+    return srcs, dsts, count * stride
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 17, 240, 241, 4096, 16384 + 3, memcpy.PIECE_BYTES])
+def test_copy_in_ranges_matches_the_ctypes_reference(nbytes):
+    rng = random.Random(nbytes)
+    srcs, dsts, size = scattered_job(rng, 37, nbytes)
+    src = bytearray(rng.randbytes(size))
+    native, reference = bytearray([POISON]) * size, bytearray([POISON]) * size
+
+    got = memcpy.copy_in_ranges(address(src), srcs, address(native), dsts, nbytes,
+                                memoryview(native))
+    want = memcpy.copy_in_ranges_ctypes(address(src), srcs, address(reference), dsts, nbytes,
+                                        memoryview(reference))
+
+    assert got == want == [xxhash.xxh3_128_digest(src[s:s + nbytes]) for s in srcs]
+    assert native == reference  # the same bytes moved, nothing written outside the ranges
+    for s, d in zip(srcs, dsts):
+        assert native[d:d + nbytes] == src[s:s + nbytes]
+
+
+@pytest.mark.parametrize("largest", [16384, memcpy.PIECE_BYTES + 1])  # the latter: by pieces
+def test_copy_in_ranges_of_one_size_per_chunk_matches_the_ctypes_reference(largest):
+    rng = random.Random(largest)
+    sizes = [rng.choice([0, 1, 4096, 9000, largest]) for _ in range(40)]
+    srcs, dsts, size = scattered_job(rng, len(sizes), largest)
+    src = bytearray(rng.randbytes(size))
+    native, reference = bytearray([POISON]) * size, bytearray([POISON]) * size
+
+    got = memcpy.copy_in_ranges(address(src), srcs, address(native), dsts, sizes,
+                                memoryview(native))
+    want = memcpy.copy_in_ranges_ctypes(address(src), srcs, address(reference), dsts, sizes,
+                                        memoryview(reference))
+
+    assert got == want == [xxhash.xxh3_128_digest(src[s:s + n]) for s, n in zip(srcs, sizes)]
+    assert native == reference
+    for s, d, n in zip(srcs, dsts, sizes):
+        assert native[d:d + n] == src[s:s + n]
+
+
+def test_copy_out_many_matches_the_ctypes_reference():
+    rng = random.Random(5)
+    sizes = [rng.choice([0, 1, 4095, 16384, 70000]) for _ in range(50)]
+    srcs, dsts, size = scattered_job(rng, len(sizes), max(sizes))
+    src = bytearray(rng.randbytes(size))
+    native, reference = bytearray([POISON]) * size, bytearray([POISON]) * size
+
+    memcpy.copy_out_many(address(src), srcs, address(native), dsts, sizes)
+    memcpy.copy_out_many_ctypes(address(src), srcs, address(reference), dsts, sizes)
+
+    assert native == reference
+    assert any(byte != POISON for byte in native)
+    for s, d, n in zip(srcs, dsts, sizes):
+        assert native[d:d + n] == src[s:s + n]
+
+
+def test_an_empty_job_copies_nothing():
+    buf = bytearray([POISON]) * 8
+    assert memcpy._ranges.copy_hash_many(address(buf), [], address(buf), [], 4,
+                                         memcpy._XXH3_128) == []
+    memcpy._ranges.copy_many(address(buf), (), address(buf), (), ())
+    assert buf == bytearray([POISON]) * 8
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda r, a, h: r.copy_many(a, [0, 1], a, [0], [1, 1]), "differ in length: 2, 1, 2"),
+    (lambda r, a, h: r.copy_many(a, [0], a, [0], [1, 2]), "differ in length: 1, 1, 2"),
+    (lambda r, a, h: r.copy_many(a, [-3], a, [0], [1]), r"dsts\[0\] is -3"),
+    (lambda r, a, h: r.copy_many(a, [0], a, [0], [-1]), r"sizes\[0\] is -1"),
+    (lambda r, a, h: r.copy_hash_many(a, [0], a, [0, 1], 1, h), "differ in length: 1, 2"),
+    (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], [1, 1], h), "differ in length: 1, 1, 2"),
+    (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], [-5], h), r"sizes\[0\] is -5"),
+    (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], -2, h), "sizes is -2"),
+    (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], 1, 0), "xxh3_128_address is 0"),
+])
+def test_bad_jobs_are_refused_before_anything_is_copied(call, message):
+    buf = bytearray([POISON]) * 8
+    with pytest.raises(ValueError, match=message):
+        call(memcpy._ranges, address(buf), memcpy._XXH3_128)
+    assert buf == bytearray([POISON]) * 8
+
+
+def test_offsets_must_be_integers():
+    buf = bytearray(8)
+    with pytest.raises(TypeError):
+        memcpy._ranges.copy_many(address(buf), [0.5], address(buf), [0], [1])
+    with pytest.raises(TypeError, match="dsts"):
+        memcpy._ranges.copy_many(address(buf), 7, address(buf), [0], [1])
