@@ -158,7 +158,10 @@ class TierChain:
         self.events = ChainEvents()
         self.on_space: Callable[[], None] = lambda: None  # set by the data ops (parked items)
         # Reads of arena chunks, kept only while some tier filters admission by reads.
-        self._admission = any(link.policy.after_reads for link in self.links)
+        self._admission = self.counts_reads = any(link.policy.after_reads for link in self.links)
+        # What ``after_commit`` does beyond events: write each chunk to such a tier at commit.
+        self.publishes_at_commit = any(link.policy.when is Publish.ON_COMMIT
+                                       and not link.policy.after_reads for link in self.links)
         self._reads: Counter[Hashable] = Counter()
         self.checks_in_flight = 0
         for link in self.links:

@@ -28,7 +28,7 @@ import logging
 import time
 from collections import deque
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvtierd.config import Config
 from kvtierd.copy import jobs as copy_jobs
@@ -83,13 +83,14 @@ class DataOps(JobCompletions):
         queue = self._queue(batch, job_bytes(items, self.cfg.copy_threads))
         staging = session.staging
         limit = staging.nbytes if staging is not None else -1  # inline: the checked path below
-        # Without lower tiers and with shared staging (the common case), an item is one reserve
-        # and one queued copy, written out here: no call per item beyond the tier's.
-        fast = not self.mover.links and staging is not None
+        # With shared staging (the common case), an item is one reserve and one queued copy,
+        # written out here: no call per item beyond the tier's. A batch of which a lower tier
+        # holds some key goes item by item (``_reserve_item``: answered from below).
+        fast = staging is not None
         if fast and blocks is None:
             columns = requests.common_columns(items, limit)
-            if columns is not None:  # every item checked in C loops: reserved as columns
-                fast_path.reserve_items(self.tier, batch, queue,
+            if columns is not None and not self._held_below(session, columns[0]):
+                fast_path.reserve_items(self.tier, batch, queue,  # every item checked in C
                                         fast_path.Checked(range(len(items)), *columns),
                                         self._refused, self._writes_by_slot())
                 return self._built(batch, queue)
@@ -114,10 +115,18 @@ class DataOps(JobCompletions):
                 valid.append((i, key, offset, nbytes))
             else:
                 self._reserve_item(batch, queue, i, key, offset, nbytes)
-        if valid:
+        if valid and self._held_below(session, [key for _, key, _, _ in valid]):
+            for i, key, offset, nbytes in valid:
+                self._reserve_item(batch, queue, i, key, offset, nbytes)
+        elif valid:
             fast_path.reserve_items(self.tier, batch, queue, fast_path.Checked(*zip(*valid)),
                                     self._refused, self._writes_by_slot())
         return self._built(batch, queue)
+
+    def _held_below(self, session: Session, keys: Sequence[bytes]) -> bool:
+        """Whether a usable lower tier holds any of ``keys`` (``peek_below``'s answer, per batch)."""
+        return any(self.mover.usable(link) and link.tier.holds_any(session.space, keys)
+                   for link in self.mover.links)
 
     def _writes_by_slot(self) -> Callable[[Batch, SlotWrites], None] | None:
         """How the fast path submits reservations held by slot, if it may make them (nothing
@@ -206,12 +215,14 @@ class DataOps(JobCompletions):
             batch.out_frames = [b""] * len(items)
             session.release_sent_replies()
         queue = self._queue(batch, job_bytes(items, self.cfg.copy_threads))
-        fast = not self.mover.links and staging is not None
+        # Shared staging and no admission filter below (reads counted chunk by chunk): looked up
+        # as columns in the arena, and what it misses in the tiers below, item by item.
+        fast = not self.mover.counts_reads and staging is not None
         columns = requests.common_columns(items, staging.nbytes) if fast else None
-        if columns is not None:  # every item checked in C loops: looked up as columns
+        if columns is not None:  # every item checked in C loops
             fast_path.get_items(self.tier, batch, queue,
                                 fast_path.Checked(range(len(items)), *columns), self.sessions,
-                                self._submit_reads)
+                                self._submit_reads, self._get_below)
         else:
             self._get_each(batch, queue, items, fast)
         done = self._built(batch, queue)
@@ -245,7 +256,7 @@ class DataOps(JobCompletions):
             self._get_item(batch, queue, i, key, offset, nbytes)
         if valid:
             fast_path.get_items(self.tier, batch, queue, fast_path.Checked(*zip(*valid)),
-                                self.sessions, self._submit_reads)
+                                self.sessions, self._submit_reads, self._get_below)
 
     def _get_item(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
                   nbytes: int) -> None:
@@ -258,6 +269,23 @@ class DataOps(JobCompletions):
         # A read refreshes the key in the ghosts as in the tier, but the LOOKUP before it counted
         # this chunk request already (kvtierd.server.accounting).
         batch.ghost_keys.append(key)
+        self._serve(batch, queue, i, key, offset, nbytes, status, tier, entry)
+
+    def _get_below(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
+                   nbytes: int) -> None:
+        """Item ``i``, which the arena missed in the fast path (its ghosts fed there): the rest
+        of the chain's ``lookup``, then served as ``_get_item`` serves it."""
+        session = batch.session
+        if not self.mover.links:
+            batch.results[i] = int(Status.MISS)
+            return
+        status, tier, entry = self.mover.lookup_below((session.space, key), session.fingerprint)
+        self._serve(batch, queue, i, key, offset, nbytes, status, tier, entry)
+
+    def _serve(self, batch: Batch, queue: JobQueue, i: int, key: bytes, offset: Any,
+               nbytes: int, status: Status, tier: Tier, entry: ChunkEntry | None) -> None:
+        """Answer or queue GET item ``i`` from what the lookup found (``tier``'s ``entry``)."""
+        session = batch.session
         if entry is None:
             batch.results[i] = int(status)
         elif entry.nbytes and entry.nbytes != nbytes:  # 0: a lower tier knows it by reading it

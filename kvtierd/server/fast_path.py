@@ -1,15 +1,17 @@
 """PUT and GET items of the common case, a job's worth per tier call: a session with shared
-staging (memfd or CUDA IPC) and a daemon without lower tiers.
+staging (memfd or CUDA IPC).
 
 Why: at 16 KiB a chunk's memcpy takes ~2 µs, so the loop thread's Python per item decides the
 throughput. Here the handler has already checked every item (``kvtierd.server.data_ops``); these
 reserve or look up a job's worth of items in one call of the CPU tier's batch primitives
 (``kvtierd.tiers.cpu_batch``, the same semantics as the per-item ones) and queue them as one job,
 so the copy threads start on the first job while the loop prepares the next. Where nothing
-wants a PUT's chunks as entries (no kv-events), a group of new keys is reserved by slot and
-copied and committed as columns (``SlotWrites``), as GET holds its reads: at 16 KiB building,
-committing and folding an entry per chunk was a third of a PUT item's loop CPU. Anything else
-(lower tiers, inline payloads) takes the per-item path in ``data_ops``.
+wants a PUT's chunks as entries (no kv-events, no tier written at commit), a group of new keys
+is reserved by slot and copied and committed as columns (``SlotWrites``), as GET holds its
+reads: at 16 KiB building, committing and folding an entry per chunk was a third of a PUT item's
+loop CPU. With tiers below, a PUT batch comes here when none of them holds any of its keys, and
+a GET's arena misses go on to them item by item (``missed``). Anything else (inline payloads,
+keys held below, an admission filter counting reads) takes the per-item path in ``data_ops``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class Checked:
 
 
 Refused = Callable[[Batch, int, Status, bytes, Any, int], None]
+_MISS = int(Status.MISS)
+#: A GET item the arena missed: ``(batch, queue, index, key, offset, nbytes)``.
+Missed = Callable[[Batch, JobQueue, int, bytes, Any, int], None]
 
 
 def reserve_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: Checked,
@@ -94,8 +99,10 @@ def reserve_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: Checked,
 
 
 def get_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: Checked,
-              sessions: SessionTable, submit_reads: Callable[[Batch, SlotReads], None]) -> None:
-    """Look up, acquire and queue checked GET items (a miss is answered in ``results``). A hit
+              sessions: SessionTable, submit_reads: Callable[[Batch, SlotReads], None],
+              missed: Missed) -> None:
+    """Look up, acquire and queue checked GET items (an arena miss goes to ``missed``, another
+    refusal is answered in ``results``). A hit
     the tier holds by slot goes into one ``SlotReads`` job per group (``submit_reads``); any other
     hit (several runs, or to be verified on its first read) into ``queue`` as an entry. An
     item's lease is released just before its group is acquired: never a window in which a copy
@@ -116,7 +123,7 @@ def get_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: Checked,
         reads = SlotReads([], held, [], [], [], pages, 0)
         job = []
         job_bytes = 0
-        for i, offset, nbytes, got in zip(index, offsets, sizes, found):
+        for i, key, offset, nbytes, got in zip(index, keys, offsets, sizes, found):
             if type(got) is not int:
                 job.append((i, got, offset))
                 job_bytes += nbytes
@@ -126,6 +133,8 @@ def get_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: Checked,
                 reads.dst.append(offset)
                 reads.sizes.append(nbytes)
                 reads.nbytes += nbytes
+            elif got == -_MISS:  # perhaps in a tier below
+                missed(batch, queue, i, key, offset, nbytes)
             else:
                 results[i] = -got
         if held:

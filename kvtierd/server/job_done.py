@@ -28,11 +28,13 @@ class JobCompletions:
     ``metrics``, ``_bytes_in``/``_bytes_out`` and ``_feed_ghosts``."""
 
     def _plain_commits(self) -> bool:
-        """Whether nothing uses a PUT's chunks after their commit: no kv-events and no tier
-        below (the chain's per-chunk hooks are then its no-op ``ChainEvents``). Their entries
-        then go back to compact form at once, or are never built (``SlotWrites``)."""
-        return (not self.events.enabled and not self.mover.links
-                and type(self.mover.events) is ChainEvents)
+        """Whether nothing uses a PUT's chunks after their commit: no kv-events (the chain's
+        per-chunk hooks are then its no-op ``ChainEvents``) and no tier below that is written at
+        commit (write-through NVMe, an on-commit remote without an admission filter; a write-back
+        tier takes chunks when they are evicted, whatever their form). Their entries then go back
+        to compact form at once, or are never built (``SlotWrites``)."""
+        return (not self.events.enabled and type(self.mover.events) is ChainEvents
+                and not self.mover.publishes_at_commit)
 
     def _put_job_done(self, batch: Batch, job: list | SlotWrites, digests: Any,
                       error: BaseException | None) -> None:
@@ -54,9 +56,9 @@ class JobCompletions:
         batch.ghost_keys.extend([entry.ikey[1] for entry in entries])
         batch.ghost_nbytes.extend(sizes)
         self._bytes_in.inc(sum(sizes))
-        # Publishing below and the chain's events, per chunk; neither exists without lower tiers
-        # and with kv-events off (the chain's hooks are then its no-op ChainEvents).
-        if self.mover.links or type(self.mover.events) is not ChainEvents:
+        # Publishing below and the chain's events, per chunk; neither exists without a tier
+        # written at commit and with kv-events off (``_plain_commits``).
+        if not self._plain_commits():
             after_commit = self.mover.after_commit
             for entry in entries:
                 after_commit(entry)
@@ -106,7 +108,7 @@ class JobCompletions:
                 for index in job.items:
                     self._get_item_failed(batch, index, None, error)
             return
-        if error is None and not corrupt and not self.mover.links:  # all served, no admission
+        if error is None and not corrupt and not self.mover.counts_reads:  # all served
             self._bytes_out.inc(self.tier.release_read(list(map(itemgetter(1), job))))
             return
         release, after_read = self.tier.release, self.mover.after_read

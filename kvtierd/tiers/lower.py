@@ -236,6 +236,11 @@ class LowerTier(ABC):
     @abstractmethod
     def peek(self, ikey: Hashable) -> ChunkEntry | None: ...
 
+    def holds_any(self, space: tuple, keys: Sequence[bytes]) -> bool:
+        """Whether ``peek`` finds any of ``keys`` of ``space`` here (a PUT batch's fast path is
+        for keys that no lower tier holds; a tier with a dict of them checks it in C)."""
+        return any(self.peek((space, key)) is not None for key in keys)
+
     def holds(self, ikey: Hashable, checksum: bytes) -> bool:
         """Whether a READY copy with this checksum is here (a CPU victim then leaves for free)."""
         entry = self.peek(ikey)

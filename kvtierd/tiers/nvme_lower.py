@@ -9,7 +9,7 @@ checks, and a local disk is never "unavailable" as a whole: its faults are per j
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Sequence
 
 from kvtierd.protocol import Tier
 from kvtierd.tiers import nvme
@@ -32,6 +32,10 @@ class NvmeLowerTier(nvme.NvmeTier, LowerTier):
 
     def peek(self, ikey: Hashable) -> ChunkEntry | None:
         return self.index.get(ikey)
+
+    def holds_any(self, space: tuple, keys: Sequence[bytes]) -> bool:
+        found = self.index.key_space(space)  # every chunk here, whatever its state
+        return found is not None and not found.keys.keys().isdisjoint(keys)
 
     def read_job(self, entry: ChunkEntry, arena: Arena, dst_runs: list[Run],
                  dst_segments: list[tuple[int, int]]) -> Job:
