@@ -30,7 +30,7 @@ from kvtierd.protocol import (
 from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.admission import token_matches
-from kvtierd.server.chain import MISSED, TierChain
+from kvtierd.server.chain import MISSED, ChainEvents, TierChain
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
@@ -319,7 +319,8 @@ class OpHandlers:
 
     def delete(self, session: Session, header: dict, frames: list) -> dict:
         keys = requests.batch(header, "keys", self.cfg.max_batch)
-        if not self.mover.links and self.tier.on_remove is None:
+        if self.tier.on_remove is None and (not self.mover.links
+                                            or self._arena_only(session, keys)):
             return {"results": self._delete_arena_only(session, keys)}
         results = []
         for key in keys:
@@ -337,10 +338,23 @@ class OpHandlers:
             self.ghosts.remove(ikey)
         return {"results": results}
 
+    def _arena_only(self, session: Session, keys: list) -> bool:
+        """Whether a DELETE of ``keys`` with tiers below is the arena's alone: every key good, no
+        lower tier holds any of them (available or not: its deletions are bookkeeping first) or
+        may hold one unknown to this node (a remote tier), and the chain keeps nothing per arena
+        chunk (no read counts for an admission filter, no events)."""
+        mover = self.mover
+        if (mover.counts_reads or type(mover.events) is not ChainEvents
+                or _keys_problem(keys) is not None):
+            return False
+        return not any(link.tier.checks_existence or link.tier.holds_any(session.space, keys)
+                       for link in mover.links)
+
     def _delete_arena_only(self, session: Session, keys: list) -> list[int]:
-        """DELETE without lower tiers and without kv-events (nothing wants an entry per removed
-        chunk): the CPU tier deletes the whole batch by slots, the ghosts forget it in one call.
-        The same statuses, leases and ghost updates as the per-key path."""
+        """DELETE without kv-events and without lower tiers (or none that holds any of the keys:
+        ``_arena_only``), so nothing wants an entry per removed chunk: the CPU tier deletes the
+        whole batch by slots, the ghosts forget it in one call. The same statuses, leases and
+        ghost updates as the per-key path."""
         mismatch = int(Status.LAYOUT_MISMATCH)
         if _keys_problem(keys) is None:  # every key good (checked in C): statuses as they come
             results = self.tier.delete_many(session.space, keys, session.fingerprint)

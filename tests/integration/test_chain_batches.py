@@ -5,7 +5,8 @@ a PUT batch of which no lower tier holds a key is reserved as columns (by slot, 
 write-back tier takes chunks only when they are evicted), any other goes item by item and is
 answered from below; a GET batch is looked up as columns in the arena and its misses go on to
 the tiers below. These pin down that each item gets the answer the per-item path gives it, and
-that loads are byte-exact into poisoned staging while misses leave their bytes poisoned.
+that loads are byte-exact into poisoned staging while misses leave their bytes poisoned. A DELETE
+batch of keys that only the arena holds leaves as a batch too, any other key by key.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 from helpers.bad_input import Session, names, namespace
 from helpers.nvme import metric, wait_settled
 
-from kvtierd.protocol import Tier
+from kvtierd.protocol import Op, Tier
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,12 +46,19 @@ def put_all(session: Session, staging, keys: list[bytes], data: dict[bytes, byte
     return out
 
 
-def test_put_and_get_batches_with_chunks_in_the_arena_on_nvme_and_nowhere(daemon_factory,
-                                                                            memfd):
+def delete(session: Session, keys: list[bytes]) -> list[str]:
+    reply, _ = session.request(Op.DELETE, keys=keys)
+    assert reply["name"] == "OK" and len(reply["results"]) == len(keys), reply
+    return names(reply["results"])
+
+
+def test_put_get_delete_batches_with_chunks_in_the_arena_on_nvme_and_nowhere(daemon_factory,
+                                                                                memfd):
     d = daemon_factory(cpu_bytes="4MiB")
     rng = random.Random(48)
     staging = memfd(64 * CHUNK, fill=POISON)
-    session = Session(d.address, namespace(), staging=staging)
+    space = namespace()
+    session = Session(d.address, space, staging=staging)
     keys = [f"chain-{i}".encode() for i in range(STORED)]
     data = {key: rng.randbytes(CHUNK) for key in keys}
     assert put_all(session, staging, keys, data) == ["OK"] * STORED
@@ -93,5 +101,21 @@ def test_put_and_get_batches_with_chunks_in_the_arena_on_nvme_and_nowhere(daemon
         assert got == (bytes([POISON]) * CHUNK if key in missing else data[key]), key
     assert metric(d.metrics_text(), "kvtierd_promotions_total") >= promotions + len(below)
     assert set(session.lookup(below)) == {Tier.CPU}  # promoted into the arena
+
+    # DELETE: keys only the arena holds leave as a batch (a reader of another layout is refused
+    # and changes nothing); keys also held below go key by key, from every tier
+    wait_settled(d)
+    tiers = dict(zip(keys + new, session.lookup(keys + new)))
+    arena_only = [k for k in new if tiers[k] == Tier.CPU][:2]
+    assert len(arena_only) == 2, tiers
+    other = Session(d.address, space, staging=memfd(CHUNK), fingerprint="fp-other-layout")
+    assert delete(other, arena_only) == ["LAYOUT_MISMATCH"] * 2
+    assert delete(session, arena_only) == ["OK", "OK"]
+    on_nvme = [k for k in keys if tiers[k] == Tier.NVME][:2]
+    assert delete(session, [on_nvme[0], below[0], b"never-stored-3"]) == ["OK", "OK", "MISS"]
+    wait_settled(d)
+    assert session.lookup(arena_only + on_nvme[:1] + below[:1]) == [0] * 4
+    assert session.lookup(on_nvme[1:]) == [Tier.NVME]  # a neighbour below is untouched
+    other.close()
     session.close()
     d.check()
