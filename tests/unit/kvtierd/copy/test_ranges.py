@@ -23,6 +23,14 @@ def address(buf: bytearray) -> int:
 def test_the_extension_is_built_and_its_xxh3_checked_out():
     assert memcpy.NATIVE == "compiled copies and xxh3"
     assert memcpy._ranges is not None and memcpy._XXH3_128
+    assert memcpy._XXH3_128 == memcpy._xxh3_128_address()
+
+
+def test_an_export_that_is_not_xxh3_128_is_never_used():
+    assert memcpy._xxh3_128_address(("no_such_symbol",)) is None
+    # XXH32 is exported too, but returns another hash: the start-up check refuses it
+    assert memcpy._xxh3_128_address(("XXH32",)) is None
+    assert memcpy._xxh3_128_address(("XXH32", "XXH3_128bits")) is not None
 
 
 def scattered_job(rng: random.Random, count: int, nbytes: int) -> tuple[list[int], list[int], int]:
