@@ -44,29 +44,11 @@ def scattered_job(rng: random.Random, count: int, nbytes: int) -> tuple[list[int
     return srcs, dsts, count * stride
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 17, 240, 241, 4096, 16384 + 3, memcpy.PIECE_BYTES])
-def test_copy_in_ranges_matches_the_ctypes_reference(nbytes):
-    rng = random.Random(nbytes)
-    srcs, dsts, size = scattered_job(rng, 37, nbytes)
-    src = bytearray(rng.randbytes(size))
-    native, reference = bytearray([POISON]) * size, bytearray([POISON]) * size
-
-    got = memcpy.copy_in_ranges(address(src), srcs, address(native), dsts, nbytes,
-                                memoryview(native))
-    want = memcpy.copy_in_ranges_ctypes(address(src), srcs, address(reference), dsts, nbytes,
-                                        memoryview(reference))
-
-    assert got == want == [xxhash.xxh3_128_digest(src[s:s + nbytes]) for s in srcs]
-    assert native == reference  # the same bytes moved, nothing written outside the ranges
-    for s, d in zip(srcs, dsts):
-        assert native[d:d + nbytes] == src[s:s + nbytes]
-
-
-@pytest.mark.parametrize("largest", [16384, memcpy.PIECE_BYTES + 1])  # the latter: by pieces
-def test_copy_in_ranges_of_one_size_per_chunk_matches_the_ctypes_reference(largest):
-    rng = random.Random(largest)
-    sizes = [rng.choice([0, 1, 4096, 9000, largest]) for _ in range(40)]
-    srcs, dsts, size = scattered_job(rng, len(sizes), largest)
+def check_copy_in(rng: random.Random, srcs: list[int], dsts: list[int], size: int,
+                  sizes: int | list[int]) -> None:
+    """``copy_in_ranges`` of random bytes against the ctypes reference, into poisoned buffers:
+    the same digests (xxh3-128 of each source range), the same bytes, nothing outside the ranges."""
+    each = [sizes] * len(srcs) if type(sizes) is int else sizes
     src = bytearray(rng.randbytes(size))
     native, reference = bytearray([POISON]) * size, bytearray([POISON]) * size
 
@@ -75,10 +57,25 @@ def test_copy_in_ranges_of_one_size_per_chunk_matches_the_ctypes_reference(large
     want = memcpy.copy_in_ranges_ctypes(address(src), srcs, address(reference), dsts, sizes,
                                         memoryview(reference))
 
-    assert got == want == [xxhash.xxh3_128_digest(src[s:s + n]) for s, n in zip(srcs, sizes)]
-    assert native == reference
-    for s, d, n in zip(srcs, dsts, sizes):
+    assert got == want == [xxhash.xxh3_128_digest(src[s:s + n]) for s, n in zip(srcs, each)]
+    assert native == reference  # the same bytes moved, nothing written outside the ranges
+    for s, d, n in zip(srcs, dsts, each):
         assert native[d:d + n] == src[s:s + n]
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 17, 240, 241, 4096, 16384 + 3, memcpy.PIECE_BYTES])
+def test_copy_in_ranges_matches_the_ctypes_reference(nbytes):
+    rng = random.Random(nbytes)
+    srcs, dsts, size = scattered_job(rng, 37, nbytes)
+    check_copy_in(rng, srcs, dsts, size, nbytes)
+
+
+@pytest.mark.parametrize("largest", [16384, memcpy.PIECE_BYTES + 1])  # the latter: by pieces
+def test_copy_in_ranges_of_one_size_per_chunk_matches_the_ctypes_reference(largest):
+    rng = random.Random(largest)
+    sizes = [rng.choice([0, 1, 4096, 9000, largest]) for _ in range(40)]
+    srcs, dsts, size = scattered_job(rng, len(sizes), largest)
+    check_copy_in(rng, srcs, dsts, size, sizes)
 
 
 def test_copy_out_many_matches_the_ctypes_reference():
