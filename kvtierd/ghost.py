@@ -361,13 +361,19 @@ class GhostCaches:
                 ghost.remove(key)
 
     def remove_many(self, space: tuple[str, str, int], keys: Sequence[bytes]) -> None:
-        """``remove`` for every key of one DELETE batch (one session's ``space``)."""
+        """``remove`` for every key of one DELETE batch (one session's ``space``). Only sampled
+        keys can be in a ghost, so each tier removes only those (a large tier samples 1/8 or
+        fewer: the other pops would all miss)."""
         if not self.tiers or not keys:
             return
-        hashed = self.keys_of(space, keys)
+        top = self._top_threshold
+        hashed = map(xxhash.xxh3_64_intdigest, keys, repeat(_space_seed(*space)))
+        sampled = list(hashed) if top > _SAMPLE_ALL else [h for h in hashed if h < top]
         for tier in self.tiers:
+            threshold = tier._threshold
+            mine = sampled if threshold >= top else [h for h in sampled if h < threshold]
             for ghost in tier.ghosts.values():
-                ghost.remove_many(hashed)
+                ghost.remove_many(mine)
 
     def stats(self) -> dict[str, dict]:
         return {tier.tier: tier.stats() for tier in self.tiers}
