@@ -56,6 +56,7 @@ from kvtierd.server.startup import (  # noqa: F401 (StartupError: the CLI's impo
 from kvtierd.tenants import TenantTable
 from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
+from kvtierd.tiers import columns
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.cpu import CpuTier
 from kvtierd.tiers.lower import LowerTier, PublishPolicy
@@ -225,8 +226,9 @@ class Daemon:
                     self.events.stored(ikey, tier, info)
                 self.events.flush()  # queued before any request is answered, not after the first
             log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes, "
-                     "host copies: %s)", __version__, self.cfg.socket, PROTOCOL_VERSION,
-                     self.cfg.cpu_bytes, self.cfg.page_bytes, memcpy.NATIVE)
+                     "host copies: %s, index columns: %s)", __version__, self.cfg.socket,
+                     PROTOCOL_VERSION, self.cfg.cpu_bytes, self.cfg.page_bytes, memcpy.NATIVE,
+                     columns.NATIVE)
             if self.cfg.cuda_pin_arena:
                 self.pinner.start()  # cudaHostRegister in the background (no CUDA: "unavailable")
             self._announce_when_pinned()

@@ -17,6 +17,7 @@ from itertools import repeat
 from typing import Sequence
 
 from kvtierd.tiers.allocator import Run
+from kvtierd.tiers.columns import fill_at, put_at, put_records_at
 from kvtierd.tiers.index_parts import (ACTIVE, CHECKSUM_BYTES, MULTI, SUMMED, USED, VERIFIED,
                                        KeySpace)
 
@@ -61,10 +62,8 @@ class BatchEdits:
             runs = [(start, -(-nbytes // page) or 1) for start, nbytes in zip(starts, sizes)]
             total = sum([count for _, count in runs])
         deque(map(found.keys.__delitem__, keys), 0)  # every del in C; raises on a missing key
-        names, flags = self._keys, self._flags
-        for slot in slots:
-            names[slot] = None
-            flags[slot] = 0
+        fill_at(self._keys, slots, None)
+        fill_at(self._flags, slots, 0)
         self._free_slots.extend(slots)
         self._count -= len(slots)
         self._fps.release(fp, len(slots))
@@ -103,13 +102,13 @@ class BatchEdits:
             del free[-take:]
         spaces, fps, lengths, firsts = self._space, self._fp, self._nbytes, self._start
         names, flags = self._keys, self._flags
-        for slot, key, nbytes, start in zip(slots, keys, sizes, starts):
-            spaces[slot] = sid
-            fps[slot] = fp
-            lengths[slot] = nbytes
-            firsts[slot] = start
-            names[slot] = key
-            flags[slot] = flag
+        if take:  # each column written at the reused slots in one call (the first take values)
+            fill_at(spaces, slots, sid)
+            fill_at(fps, slots, fp)
+            put_at(lengths, slots, sizes)
+            put_at(firsts, slots, starts)
+            put_at(names, slots, keys)
+            fill_at(flags, slots, flag)
         if take < n:
             new = n - take
             slots.extend(range(len(names), len(names) + new))
@@ -135,12 +134,5 @@ class BatchEdits:
         reserved = self.reserved
         assert reserved.issuperset(slots), "commit_reserved of a slot that is not reserved"
         reserved.difference_update(slots)
-        sums = memoryview(self._sum)  # slice assignment: a third of a bytearray's cost
-        flags, folded = self._flags, USED | SUMMED | VERIFIED
-        try:
-            for slot, checksum in zip(slots, checksums):  # (a map of __setitem__ costs more)
-                at = slot * CHECKSUM_BYTES
-                sums[at:at + CHECKSUM_BYTES] = checksum
-                flags[slot] = folded
-        finally:
-            sums.release()
+        put_records_at(self._sum, slots, checksums, CHECKSUM_BYTES)
+        fill_at(self._flags, slots, USED | SUMMED | VERIFIED)

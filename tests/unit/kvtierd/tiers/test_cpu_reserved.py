@@ -10,6 +10,7 @@ import xxhash
 from helpers.cpu_pair import (OTHER, PAGE, PAGES, SPACE, Reads, delete_each, fill, payload_of,
                               put_each, state)
 from kvtierd.protocol import Status
+from kvtierd.tiers import columns, index_batch
 from kvtierd.tiers.chunk import ChunkState
 
 
@@ -116,6 +117,16 @@ def test_reservations_held_by_slot_match_per_item_reserve(pair, seed):
         assert not batch.index.reserved
         assert state(each) == state(batch), f"step {step}: {'committed' if ok else 'aborted'}"
     assert by_slot, "no reservation was held by slot"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_same_with_the_index_columns_written_by_the_python_loops(pair, seed, monkeypatch):
+    """``test_reservations_held_by_slot_match_per_item_reserve`` where ``kvtierd.tiers._columns``
+    was not built: the index's batch edits then write their columns with the Python loops of
+    ``kvtierd.tiers.columns``."""
+    for name in ("fill_at", "put_at", "put_records_at"):
+        monkeypatch.setattr(index_batch, name, getattr(columns, f"{name}_python"))
+    test_reservations_held_by_slot_match_per_item_reserve(pair, seed)
 
 
 def test_reserve_slots_places_a_prefix_and_leaves_the_rest_to_reserve_many(pair):
