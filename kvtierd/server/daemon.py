@@ -32,7 +32,7 @@ from kvtierd.ghost import GhostCaches, GhostCollector
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.notify import Notifier
 from kvtierd.protocol import PROTOCOL_VERSION, Op, ProtocolError, Status, pack, reply, unpack
-from kvtierd.server import envelope, heap_trim, tier_setup
+from kvtierd.server import envelope, heap_trim, requests, tier_setup
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.admission import Admission
 from kvtierd.server.connections import (
@@ -226,9 +226,9 @@ class Daemon:
                     self.events.stored(ikey, tier, info)
                 self.events.flush()  # queued before any request is answered, not after the first
             log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes, "
-                     "host copies: %s, index columns: %s)", __version__, self.cfg.socket,
-                     PROTOCOL_VERSION, self.cfg.cpu_bytes, self.cfg.page_bytes, memcpy.NATIVE,
-                     columns.NATIVE)
+                     "host copies: %s, index columns: %s, request items: %s)", __version__,
+                     self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes, self.cfg.page_bytes,
+                     memcpy.NATIVE, columns.NATIVE, requests.NATIVE)
             if self.cfg.cuda_pin_arena:
                 self.pinner.start()  # cudaHostRegister in the background (no CUDA: "unavailable")
             self._announce_when_pinned()

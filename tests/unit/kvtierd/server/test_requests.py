@@ -1,13 +1,14 @@
 """The request checks the PUT/GET fast path relies on (kvtierd.server.requests): the columnar
 common-case check must accept exactly what the per-item check accepts without a message, so a
-batch it passes is one the item-by-item path would have served in full."""
+batch it passes is one the item-by-item path would have served in full. Both forms of it run
+every case: the compiled one pass (kvtierd.server._items) and the Python columns."""
 
 import random
 
 import pytest
 
 from kvtierd.protocol import MAX_KEY_BYTES, ProtocolError
-from kvtierd.server import requests
+from kvtierd.server import _items, requests
 
 LIMIT = 1 << 20
 
@@ -26,19 +27,35 @@ BAD_VALUES = {  # per column: values one item may carry that the common case ref
 }
 
 
-def test_common_columns_gives_the_columns_of_a_common_batch():
+def compiled(items, limit):
+    return _items.common_columns(items, limit, MAX_KEY_BYTES)
+
+
+FORMS = pytest.mark.parametrize("common_columns", [compiled, requests.common_columns_python],
+                                ids=["compiled", "python"])
+
+
+def test_the_compiled_form_is_built_and_used():
+    assert requests.NATIVE == "compiled" and requests._items is _items
+
+
+@FORMS
+def test_common_columns_gives_the_columns_of_a_common_batch(common_columns):
     items = [[b"k%d" % i, i * 100, 100] for i in range(50)]
-    keys, offsets, sizes = requests.common_columns(items, LIMIT)
-    assert list(keys) == [i[0] for i in items] and list(offsets) == [i[1] for i in items]
-    assert list(sizes) == [100] * 50
-    assert requests.common_columns([[b"k", LIMIT - 1, 1]], LIMIT) is not None  # the last byte
-    assert requests.common_columns([[b"k" * MAX_KEY_BYTES, 0, 1]], LIMIT) is not None
-    assert requests.common_columns([], LIMIT) is None
-    assert requests.common_columns(items, -1) is None  # inline: no staging
+    keys, offsets, sizes = common_columns(items, LIMIT)
+    assert keys == tuple(i[0] for i in items) and offsets == tuple(i[1] for i in items)
+    assert sizes == (100,) * 50
+    assert common_columns([[b"k", LIMIT - 1, 1]], LIMIT) is not None  # the last byte
+    assert common_columns([(b"k" * MAX_KEY_BYTES, 0, 1)], LIMIT) is not None
+    assert common_columns([[b"k", 2**64, 1]], LIMIT) is None  # beyond 64 bits
+    assert common_columns([[b"k", 0, 2**70]], LIMIT) is None
+    assert common_columns([], LIMIT) is None
+    assert common_columns(items, -1) is None  # inline: no staging
 
 
+@FORMS
 @pytest.mark.parametrize("seed", range(30))
-def test_common_columns_refuses_a_batch_with_one_uncommon_item(seed):
+def test_common_columns_refuses_a_batch_with_one_uncommon_item(common_columns, seed):
     rng = random.Random(seed)
     items = [[b"key-%d" % i, i * 512, 512] for i in range(rng.randint(1, 40))]
     column = rng.randrange(3)
@@ -46,7 +63,32 @@ def test_common_columns_refuses_a_batch_with_one_uncommon_item(seed):
     pos = rng.randrange(len(items))
     items[pos][column] = bad
     assert not per_item_ok(items[pos])
-    assert requests.common_columns(items, LIMIT) is None
+    assert common_columns(items, LIMIT) is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_both_forms_answer_the_same_random_batches(seed):
+    """Random batches near every edge (key lengths, the staging's last byte, 64-bit ints), some
+    of them all common: the same columns or None from both."""
+    rng = random.Random(seed)
+    limit = rng.choice([1, 4096, LIMIT])
+    common = 0
+    for _ in range(200):
+        items = []
+        for _ in range(rng.randint(1, 6)):
+            key, offset = b"k" * rng.randint(1, MAX_KEY_BYTES), rng.randrange(limit)
+            nbytes = rng.randint(1, limit - offset)  # a common item, then maybe an edge
+            if rng.random() < 0.1:
+                key = rng.choice([b"k" * (MAX_KEY_BYTES + 1), b"", "k", bytearray(b"k")])
+            if rng.random() < 0.1:
+                offset = rng.choice([0, limit - 1, limit, -1, 2**63, 2**64, True, 3.0])
+            if rng.random() < 0.1:
+                nbytes = rng.choice([1, limit, limit - offset + 1, 0, -1, 2**63 - 1, False])
+            items.append(rng.choice([list, tuple])((key, offset, nbytes)))
+        want = requests.common_columns_python(items, limit)
+        assert compiled(items, limit) == want, items
+        common += want is not None
+    assert common, "no batch was all common: the case went untested"
 
 
 def test_items_checks_the_shape_of_every_item():
