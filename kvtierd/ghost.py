@@ -60,10 +60,11 @@ import xxhash
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvtierd import key_sample
+
 SCALES = (2, 4)
 MAX_KEYS = 1 << 15  # keys in a tier's largest ghost before it samples (~4.6 MB at ~140 B a key)
 _SAMPLE_BITS = 64  # a key is sampled iff its 64-bit hash is below ratio * 2**64
-_SAMPLE_ALL = (1 << _SAMPLE_BITS) - 1  # a threshold above it samples every key
 
 
 @lru_cache(maxsize=1024)
@@ -191,10 +192,6 @@ class TierGhosts:
     def sampled(self, key: int) -> bool:
         return key < self._threshold
 
-    def sample_mask(self, keys: list[int]) -> list[bool]:
-        """``sampled`` of every key, in one C loop (for ``itertools.compress``)."""
-        return list(map(self._threshold.__gt__, keys))
-
     def stats(self) -> dict:
         return {
             "depth": self.depth,
@@ -249,7 +246,7 @@ class GhostCaches:
                     hit_tiers: Sequence[str | None]) -> None:
         """``access`` for every key of one LOOKUP batch (one key space), in order: the same
         counts and ghost updates. A LOOKUP must answer ~1M keys/s, so the per-key work is one
-        hash (``map``) and one comparison per tier (the sample); only the sampled keys (every key
+        hash and one comparison (``key_sample``, one C loop); only the sampled keys (every key
         of a small tier, ~1/150 at a million chunks) go into the ghosts, in C loops
         (``GhostLRU.access_many``). A batch with one outcome for every key (all CPU hits, say)
         counts its real hits without looking at the keys."""
@@ -260,15 +257,17 @@ class GhostCaches:
         if hit_tiers.count(first) == n:
             self.access_uniform(space, keys, first)
             return
-        hashed = list(map(xxhash.xxh3_64_intdigest, keys, repeat(_space_seed(*space), n)))
+        top = self._top_threshold
+        sampled, at = key_sample.below_at(keys, _space_seed(*space), top)
+        sampled_hits = [hit_tiers[i] for i in at]
         for tier in self.tiers:
             threshold = tier._threshold
-            mine = hashed if threshold > _SAMPLE_ALL else [h for h in hashed if h < threshold]
+            mine = sampled if threshold >= top else [h for h in sampled if h < threshold]
             if not mine:
                 continue
             tier.accesses += len(mine)
             faster = {name for name, d in self._depth.items() if d <= tier.depth}
-            tier.hits[1] += sum(1 for h, hit in zip(hashed, hit_tiers)
+            tier.hits[1] += sum(1 for h, hit in zip(sampled, sampled_hits)
                                 if h < threshold and hit in faster)
             for scale, ghost in tier.ghosts.items():
                 tier.hits[scale] += ghost.access_many(mine)
@@ -284,8 +283,7 @@ class GhostCaches:
         if not self.tiers or not n:
             return
         top = self._top_threshold
-        hashed = map(xxhash.xxh3_64_intdigest, keys, repeat(_space_seed(*space), n))
-        sampled = list(hashed) if top > _SAMPLE_ALL else [h for h in hashed if h < top]
+        sampled = key_sample.below(keys, _space_seed(*space), top)
         real = self._depth.get(hit_tier, -1) if hit_tier is not None else -1
         for tier in self.tiers:
             threshold = tier._threshold
@@ -315,40 +313,38 @@ class GhostCaches:
                 for ghost in tier.ghosts.values():
                     ghost.insert(key, pages)
 
-    def keys_of(self, space: tuple[str, str, int], keys: Iterable[bytes]) -> list[int]:
-        """``key((space, k))`` for every ``k`` of one key space (the seed is computed once)."""
-        # map with the seed as a positional argument: a C loop, a fifth cheaper per key
-        return list(map(xxhash.xxh3_64_intdigest, keys, repeat(_space_seed(*space))))
-
     def touch_many(self, space: tuple[str, str, int], keys: Sequence[bytes]) -> None:
         """``touch`` for every key of one GET batch (one session's ``space``), in order."""
         if not self.tiers or not keys:
             return
-        hashed = self.keys_of(space, keys)
+        top = self._top_threshold
+        sampled = key_sample.below(keys, _space_seed(*space), top)
         for tier in self.tiers:
-            sampled = hashed if tier.sample_ratio >= 1.0 else list(
-                compress(hashed, tier.sample_mask(hashed)))
+            threshold = tier._threshold
+            mine = sampled if threshold >= top else [h for h in sampled if h < threshold]
             for ghost in tier.ghosts.values():
-                ghost.touch_many(sampled)
+                ghost.touch_many(mine)
 
     def insert_many(self, space: tuple[str, str, int], keys: Sequence[bytes],
                     nbytes: Sequence[int]) -> None:
         """``insert`` for every (key, nbytes) of one PUT batch (one session's ``space``), in order."""
         if not self.tiers or not keys:
             return
-        hashed = self.keys_of(space, keys)
+        top = self._top_threshold
+        sampled, at = key_sample.below_at(keys, _space_seed(*space), top)
         page = self.page_bytes
         one_size = nbytes and nbytes.count(nbytes[0]) == len(nbytes)  # most batches
         if one_size:
-            pages = [max(1, -(-nbytes[0] // page))] * len(nbytes)
+            pages = [max(1, -(-nbytes[0] // page))] * len(sampled)
         else:
-            pages = [max(1, -(-n // page)) for n in nbytes]
+            pages = [max(1, -(-nbytes[i] // page)) for i in at]
         for tier in self.tiers:
-            if tier.sample_ratio >= 1.0:
-                tier_keys, tier_pages = hashed, pages
+            threshold = tier._threshold
+            if threshold >= top:
+                tier_keys, tier_pages = sampled, pages
             else:
-                mask = tier.sample_mask(hashed)
-                tier_keys = list(compress(hashed, mask))
+                mask = [h < threshold for h in sampled]
+                tier_keys = list(compress(sampled, mask))
                 tier_pages = (pages[:len(tier_keys)] if one_size
                               else list(compress(pages, mask)))
             for ghost in tier.ghosts.values():
@@ -367,8 +363,7 @@ class GhostCaches:
         if not self.tiers or not keys:
             return
         top = self._top_threshold
-        hashed = map(xxhash.xxh3_64_intdigest, keys, repeat(_space_seed(*space)))
-        sampled = list(hashed) if top > _SAMPLE_ALL else [h for h in hashed if h < top]
+        sampled = key_sample.below(keys, _space_seed(*space), top)
         for tier in self.tiers:
             threshold = tier._threshold
             mine = sampled if threshold >= top else [h for h in sampled if h < threshold]

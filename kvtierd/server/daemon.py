@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import zmq
 
-from kvtierd import __version__, cuda_health, event_snapshot
+from kvtierd import __version__, cuda_health, event_snapshot, key_sample
 from kvtierd.config import Config
 from kvtierd.copy import memcpy
 from kvtierd.copy.engine import CopyEngine
@@ -226,9 +226,10 @@ class Daemon:
                     self.events.stored(ikey, tier, info)
                 self.events.flush()  # queued before any request is answered, not after the first
             log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes, "
-                     "host copies: %s, index columns: %s, request items: %s)", __version__,
-                     self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes, self.cfg.page_bytes,
-                     memcpy.NATIVE, columns.NATIVE, requests.NATIVE)
+                     "host copies: %s, index columns: %s, request items: %s, ghost sampling: "
+                     "%s)", __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
+                     self.cfg.page_bytes, memcpy.NATIVE, columns.NATIVE, requests.NATIVE,
+                     key_sample.NATIVE)
             if self.cfg.cuda_pin_arena:
                 self.pinner.start()  # cudaHostRegister in the background (no CUDA: "unavailable")
             self._announce_when_pinned()

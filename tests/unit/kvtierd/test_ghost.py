@@ -8,6 +8,7 @@ import tracemalloc
 
 import pytest
 
+from kvtierd import key_sample
 from kvtierd.ghost import GhostCaches, GhostLRU
 
 PAGE = 4096
@@ -161,10 +162,14 @@ def test_memory_per_key_is_what_the_docs_say():
     assert 60 < per_key < 200, per_key
 
 
+@pytest.mark.parametrize("sampling", ["compiled", "python"])  # kvtierd.key_sample's two forms
 @pytest.mark.parametrize("max_keys", [1 << 30, 300])  # exact, and sampled (a key subset)
-def test_batch_feeds_leave_the_ghosts_exactly_as_per_key_feeds(max_keys):
+def test_batch_feeds_leave_the_ghosts_exactly_as_per_key_feeds(max_keys, sampling, monkeypatch):
     """insert_many / touch_many / remove_many (what PUT, GET and DELETE call once per batch) are
-    the per-key sequence."""
+    the per-key sequence, with the batches sampled by the compiled loop or its Python form."""
+    if sampling == "python":
+        monkeypatch.setattr(key_sample, "below", key_sample.below_python)
+        monkeypatch.setattr(key_sample, "below_at", key_sample.below_at_python)
     rng = random.Random(max_keys)
     space = ("uid:0", "ns", 3)
     tiers = [("cpu", 200 * PAGE), ("nvme", 300 * PAGE)]

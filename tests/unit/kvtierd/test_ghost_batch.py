@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from kvtierd import key_sample
 from kvtierd.ghost import GhostCaches
 
 PAGE = 4096
@@ -15,7 +16,11 @@ SPACE = ("uid:1000", "ns", 0)
 @pytest.mark.parametrize("outcomes", [["cpu", "nvme", None], ["cpu"], ["nvme"], [None]],
                          ids=["mixed", "all-cpu", "all-nvme", "all-miss"])  # uniform: no per-key
 @pytest.mark.parametrize("max_keys", [1 << 17, 64])  # exact, and sampled
-def test_access_many_matches_access_key_by_key(max_keys, outcomes):
+@pytest.mark.parametrize("sampling", ["compiled", "python"])  # kvtierd.key_sample's two forms
+def test_access_many_matches_access_key_by_key(max_keys, outcomes, sampling, monkeypatch):
+    if sampling == "python":
+        monkeypatch.setattr(key_sample, "below", key_sample.below_python)
+        monkeypatch.setattr(key_sample, "below_at", key_sample.below_at_python)
     rng = random.Random(max_keys)
     tiers = [("cpu", 64 * PAGE), ("nvme", 256 * PAGE)]
     batched, single = (GhostCaches(tiers, PAGE, max_keys=max_keys) for _ in range(2))
