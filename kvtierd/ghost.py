@@ -121,12 +121,9 @@ class GhostLRU:
             self.used_pages -= freed
 
     def touch_many(self, keys: Iterable[int]) -> None:
-        """``access`` for each key, without counting: most recent if held."""
-        order = self._order
-        move = order.move_to_end
-        for key in keys:
-            if key in order:
-                move(key)
+        """``access`` for each key, without counting: most recent if held (``access_many``'s
+        two C loops)."""
+        self.access_many(keys)
 
     def insert_many(self, keys: Iterable[int], pages: Iterable[int]) -> None:
         """``insert`` for each (key, pages), in order."""

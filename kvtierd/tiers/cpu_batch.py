@@ -309,6 +309,14 @@ class CpuBatchOps:
         releases its doomed entry (freed with its last reader) and, with its last read, the
         slot itself."""
         reads, retired = self.index.reads, self.index.retired
+        if not retired:  # nothing left the index meanwhile (nearly always): pops in C
+            counts = list(map(reads.pop, slots, repeat(0)))
+            if counts.count(1) == len(counts):  # each slot read once, by this job alone
+                self.held_pages -= pages
+                return
+            for slot, count in zip(slots, counts):  # else undone, and the loop below does it
+                if count:
+                    reads[slot] = count
         for slot in slots:
             left = reads.pop(slot) - 1
             if left:

@@ -129,6 +129,24 @@ def test_a_slot_read_during_delete_keeps_its_pages_and_its_slot(pair):
     tier.check_invariants()
 
 
+def test_a_slot_read_twice_stays_held_until_every_read_is_released(pair):
+    """Two GETs of one chunk held by slot at once, one of them naming it twice: releasing a GET
+    leaves the other's reads holding it (its read count and its pages)."""
+    _, tier = pair
+    put_batch(tier, SPACE, [b"a", b"b"], [PAGE, PAGE])
+    tier.compact()
+    _, first, first_pages = tier.acquire_slots(SPACE, [b"a", b"b"], [PAGE, PAGE], "fp")
+    _, second, second_pages = tier.acquire_slots(SPACE, [b"a", b"a"], [PAGE, PAGE], "fp")
+    slot_a, slot_b = first
+    assert second == [slot_a, slot_a] and tier.index.reads == {slot_a: 3, slot_b: 1}
+    tier.release_slots(first, first_pages)
+    assert tier.index.reads == {slot_a: 2} and tier.held_pages == second_pages == 2
+    tier.check_invariants()
+    tier.release_slots(second, second_pages)
+    assert not tier.index.reads and tier.held_pages == 0
+    tier.check_invariants()
+
+
 def test_eviction_passes_over_chunks_held_by_slot(pair):
     """A full arena evicts around a chunk held by slot, as around an acquired entry."""
     each, batch = pair
