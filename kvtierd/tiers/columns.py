@@ -1,9 +1,10 @@
-"""A batch's writes into the compact index's columns at scattered slots: ``put_at``, ``fill_at``,
-``put_records_at``.
+"""A batch's reads and writes of the compact index's columns at scattered slots: ``take_at``,
+``put_at``, ``fill_at``, ``put_records_at``.
 
 Why: a PUT batch that reuses freed slots writes six columns at thousands of scattered slots
 (``BatchEdits.add_pending``), a DELETE two, a commit two; as a Python loop that was ~0.2 µs of the
-request loop per 16 KiB chunk. The compiled ``kvtierd.tiers._columns`` (``setup.py``, optional
+request loop per 16 KiB chunk. Each batch also reads several columns at its slots (flags, sizes,
+first pages, layouts), a ``map`` of the column's ``__getitem__`` at ~0.1 µs per slot. The compiled ``kvtierd.tiers._columns`` (``setup.py``, optional
 like ``kvtierd.copy._ranges``) writes a column in one call; where it was not built the Python
 loops below run, with the same results (``tests/unit/kvtierd/tiers/test_columns.py`` holds the
 two to each other). ``NATIVE`` says which.
@@ -15,6 +16,13 @@ the first bad one (an index bug either way: the callers pass slots they took fro
 from __future__ import annotations
 
 from typing import Any, MutableSequence, Sequence
+
+
+def take_at_python(column: Sequence, slots: Sequence[int]) -> list | bytes:
+    """``[column[slot] for slot in slots]``; bytes for a column of one-byte items (the flags)."""
+    values = map(column.__getitem__, slots)
+    one_byte = isinstance(column, bytearray) or getattr(column, "itemsize", 0) == 1
+    return bytes(values) if one_byte else list(values)
 
 
 def put_at_python(column: MutableSequence, slots: Sequence[int], values: Sequence[Any]) -> None:
@@ -42,8 +50,9 @@ def put_records_at_python(buffer: bytearray, slots: Sequence[int], records: Sequ
 
 
 try:
-    from kvtierd.tiers._columns import fill_at, put_at, put_records_at
+    from kvtierd.tiers._columns import fill_at, put_at, put_records_at, take_at
     NATIVE = "compiled"
 except ImportError:  # built without a C compiler (setup.py: the extension is optional)
     put_at, fill_at, put_records_at = put_at_python, fill_at_python, put_records_at_python
+    take_at = take_at_python
     NATIVE = "python"

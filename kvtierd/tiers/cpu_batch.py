@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 from kvtierd.protocol import Status
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, pending_entry
 from kvtierd.tiers.compact_index import ACTIVE, MULTI, VERIFIED
+from kvtierd.tiers.columns import take_at
 from kvtierd.tiers.index_db import IndexRow
 from kvtierd.tiers.index_parts import KeySpace
 
@@ -285,12 +286,11 @@ class CpuBatchOps:
                 or (index.reads and not index.reads.keys().isdisjoint(slots))):
             return None
         fp = index.fingerprint_id(fingerprint)
-        if not index.fingerprint_covers_all(fp) and list(
-                map(index.fp_column.__getitem__, slots)).count(fp) != n:
+        if not index.fingerprint_covers_all(fp) and take_at(index.fp_column, slots).count(fp) != n:
             return None
-        if list(map(index.nbytes_column.__getitem__, slots)) != list(sizes):
+        if take_at(index.nbytes_column, slots) != list(sizes):
             return None
-        if 1 in bytes(map(index.flags.__getitem__, slots)).translate(_NOT_HELD_BY_SLOT):
+        if 1 in take_at(index.flags, slots).translate(_NOT_HELD_BY_SLOT):
             return None
         index.reads.update(zip(slots, repeat(1)))
         page = self.page_bytes
@@ -300,7 +300,7 @@ class CpuBatchOps:
             pages = sum([-(-nbytes // page) or 1 for nbytes in sizes])
         self.held_pages += pages
         self.policy.touch_many(slots, self.part_of_tenant(found.tenant))
-        offsets = list(map(mul, map(index.start_column.__getitem__, slots), repeat(page)))
+        offsets = list(map(mul, take_at(index.start_column, slots), repeat(page)))
         return offsets, slots, pages
 
     def release_slots(self: CpuTier, slots: Sequence[int], pages: int) -> None:

@@ -1,7 +1,7 @@
 """``ChunkIndex``'s edits of a whole batch of chunks of one key space — a DELETE's removal of
-plain compact chunks, a PUT's new reservations — as C-level loops over its columns where Python
-allows (``map`` of a column's ``__getitem__``, one ``translate`` of the flags, one ``extend`` or
-``update``) and one tight loop for what must be stored slot by slot.
+plain compact chunks, a PUT's new reservations — as C-level loops over its columns: a column
+read or written at the batch's slots in one call (``kvtierd.tiers.columns``), one ``translate`` of
+the flags, one ``extend`` or ``update``.
 
 Why: a DELETE of a batch that a PUT just stored removes thousands of idle chunks, and doing it
 chunk by chunk (``_unindex`` per slot, each looking its key space, its fingerprint and its runs
@@ -17,7 +17,7 @@ from itertools import repeat
 from typing import Sequence
 
 from kvtierd.tiers.allocator import Run
-from kvtierd.tiers.columns import fill_at, put_at, put_records_at
+from kvtierd.tiers.columns import fill_at, put_at, put_records_at, take_at
 from kvtierd.tiers.index_parts import (ACTIVE, CHECKSUM_BYTES, MULTI, SUMMED, USED, VERIFIED,
                                        KeySpace)
 
@@ -36,10 +36,10 @@ class BatchEdits:
         slots = list(map(found.keys.get, keys, repeat(-1)))
         if -1 in slots or len(set(slots)) != len(slots):
             return None
-        if 1 in bytes(map(self._flags.__getitem__, slots)).translate(_NOT_PLAIN):
+        if 1 in take_at(self._flags, slots).translate(_NOT_PLAIN):
             return None
-        if not self.fingerprint_covers_all(fp) and list(
-                map(self._fp.__getitem__, slots)).count(fp) != len(slots):
+        if not self.fingerprint_covers_all(fp) and take_at(self._fp, slots).count(fp) != len(
+                slots):
             return None
         if self.reads and not self.reads.keys().isdisjoint(slots):
             return None
@@ -52,8 +52,8 @@ class BatchEdits:
         """Unindex plain chunks (``plain_slots``: ``keys`` of ``found``, at ``slots``, of
         fingerprint id ``fp``): what ``_unindex`` of each does. Returns their runs, in slot
         order, and the pages they hold."""
-        page, starts = self.page_bytes, map(self._start.__getitem__, slots)
-        sizes = list(map(self._nbytes.__getitem__, slots))
+        page, starts = self.page_bytes, take_at(self._start, slots)
+        sizes = take_at(self._nbytes, slots)
         if sizes.count(sizes[0]) == len(sizes):  # one chunk size (most batches)
             pages = -(-sizes[0] // page) or 1
             runs = list(zip(starts, repeat(pages)))

@@ -17,7 +17,7 @@ from array import array
 import pytest
 
 from kvtierd.tiers import columns
-from kvtierd.tiers._columns import fill_at, put_at, put_records_at
+from kvtierd.tiers._columns import fill_at, put_at, put_records_at, take_at
 
 N = 500
 
@@ -63,6 +63,18 @@ def test_put_and_fill_match_the_python_loops(kind):
         assert compiled == reference
 
 
+@pytest.mark.parametrize("kind", ["list", "bytearray", "I", "Q"])
+def test_take_matches_the_python_map(kind):
+    rng = random.Random(kind)
+    column, _ = fresh(kind, rng)
+    for _ in range(100):
+        slots = [rng.randrange(N) for _ in range(rng.randint(0, 60))]  # repeats too
+        got = take_at(column, slots)
+        assert got == columns.take_at_python(column, slots)
+        assert type(got) is (bytes if kind == "bytearray" else list)
+        assert list(got) == [column[slot] for slot in slots]
+
+
 def test_put_records_matches_the_python_loop():
     rng = random.Random(7)
     width = 16
@@ -98,6 +110,8 @@ def test_a_list_column_holds_its_new_items_and_releases_the_old():
      "records\\[1\\] is b'.*'; allowed: bytes of 16"),
     (lambda c: put_records_at(c["sums"], [0, N], [bytes(16)] * 2, 16), f"slots\\[1\\] is {N}"),
     (lambda c: fill_at(array("d", [0.0] * 4), [0], 1), "a column of format d"),
+    (lambda c: take_at(c["I"], [1, N]), f"slots\\[1\\] is {N}"),
+    (lambda c: take_at(c["list"], [-3]), "slots\\[0\\] is -3"),
 ])
 def test_bad_calls_are_refused_before_anything_is_written(call, message):
     rng = random.Random(3)
