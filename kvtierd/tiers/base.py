@@ -11,6 +11,7 @@ from kvtierd.eviction.base import EvictionPolicy
 from kvtierd.protocol import Status
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
 from kvtierd.tiers.compact_index import ACTIVE, ChunkIndex
+from kvtierd.tiers.columns import take_at
 
 MISS_SLOT = -1  # lookup_slots: no READY chunk under the key
 MISMATCH_SLOT = -2  # lookup_slots: a chunk written by another layout
@@ -80,7 +81,7 @@ class TierIndex:
         if ((not active or active.keys().isdisjoint(hits))
                 and (not reserved or reserved.isdisjoint(hits))
                 and (index.fingerprint_covers_all(fp)
-                     or list(map(fps.__getitem__, hits)).count(fp) == len(hits))):
+                     or take_at(fps, hits).count(fp) == len(hits))):
             # Every hit is an idle READY chunk of this layout.
             self.policy.touch_many(hits, part)
             return out
