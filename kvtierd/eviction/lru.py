@@ -41,6 +41,51 @@ _SLACK = 65536  # garbage tolerated beyond _GARBAGE times the live entries befor
 _GARBAGE = 3  # garbage tolerated per live entry (plus the slack) before a rewrite
 
 
+def stamp_members_python(stamp: array, member: bytearray, slots: list[int], start: int) -> int:
+    """``stamp[slots[i]] = start + i`` for the leading slots that are members; how many."""
+    pos = start
+    try:
+        for slot in slots:
+            if not member[slot]:
+                break
+            stamp[slot] = pos
+            pos += 1
+    except IndexError:  # past the end: not a member
+        pass
+    return pos - start
+
+
+def stamp_inserted_python(stamp: array, member: bytearray, slots: list[int], start: int) -> int:
+    """Every slot a member, stamped ``start + i`` (a slot twice: the later position wins, as two
+    inserts leave it); how many were not members before."""
+    new = 0
+    for pos, slot in enumerate(slots, start):
+        if not member[slot]:
+            member[slot] = 1
+            new += 1
+        stamp[slot] = pos
+    return new
+
+
+def unstamp_members_python(stamp: array, member: bytearray, slots: list[int], none: int) -> int:
+    """Each slot that is a member no longer one (stamp ``none``); how many were."""
+    size = len(member)
+    removed = 0
+    for slot in slots:
+        if slot < size and member[slot]:
+            stamp[slot] = none
+            member[slot] = 0
+            removed += 1
+    return removed
+
+
+try:  # the same loops compiled (setup.py; optional): a batch's stamps in one call
+    from kvtierd.tiers._columns import stamp_inserted, stamp_members, unstamp_members
+except ImportError:
+    stamp_members, stamp_inserted = stamp_members_python, stamp_inserted_python
+    unstamp_members = unstamp_members_python
+
+
 class LRUPolicy(EvictionPolicy):
     def __init__(self, slack: int = _SLACK) -> None:
         """``slack``: garbage entries tolerated beyond ``_GARBAGE`` times the live ones (small
@@ -108,17 +153,10 @@ class LRUPolicy(EvictionPolicy):
             grow = top + 1 - len(stamp)
             stamp.extend(array("I", [NONE]) * grow)
             member.extend(bytes(grow))
-        pos = start = len(log)
-        new = 0
-        for slot in slots:  # a slot twice: the later position wins, as two inserts leave it
-            if not member[slot]:
-                member[slot] = 1
-                new += 1
-            stamp[slot] = pos
-            pos += 1
-        self._live += new
+        start = len(log)
+        self._live += stamp_inserted(stamp, member, slots, start)
         log.extend(slots)
-        self._logged(part, start, pos)
+        self._logged(part, start, start + len(slots))
 
     def touch_many(self, slots: list[int], part: int) -> None:
         """``touch`` of every slot in order (one batched LOOKUP's hits, all in ``part``). The
@@ -128,15 +166,8 @@ class LRUPolicy(EvictionPolicy):
         touches leave it."""
         stamp, member, log = self._stamp, self._member, self._log
         pos = start = len(log)
-        try:
-            for slot in slots:
-                if not member[slot]:
-                    break
-                stamp[slot] = pos
-                pos += 1
-        except IndexError:  # past the end: not a member
-            pass
-        done = pos - start
+        done = stamp_members(stamp, member, slots, start)
+        pos += done
         log.extend(slots if done == len(slots) else slots[:done])
         if done < len(slots):
             size, append = len(member), log.append
@@ -181,15 +212,7 @@ class LRUPolicy(EvictionPolicy):
 
     def remove_many(self, slots: Iterable[int]) -> None:
         """``remove`` of each slot, in one loop (their log entries turn garbage, as one by one)."""
-        stamp, member = self._stamp, self._member
-        size = len(member)
-        removed = 0
-        for slot in slots:
-            if slot < size and member[slot]:
-                stamp[slot] = NONE
-                member[slot] = 0
-                removed += 1
-        self._live -= removed
+        self._live -= unstamp_members(self._stamp, self._member, list(slots), NONE)
 
     def victims(self, part: int | None = None) -> Iterator[int]:
         stamp, log = self._stamp, self._log

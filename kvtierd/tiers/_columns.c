@@ -338,11 +338,174 @@ static PyObject *take_at(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* The eviction policy's per-slot columns (kvtierd/eviction/lru.py): a 32-bit stamp (the slot's
+ * position in the access log) and a membership byte. */
+typedef struct {
+    Py_buffer stamp, member;
+    Py_ssize_t slots;  /* the slots both cover */
+} lru_columns;
+
+static int lru_columns_of(PyObject *stamp, PyObject *member, lru_columns *out) {
+    if (PyObject_GetBuffer(stamp, &out->stamp, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    if (out->stamp.itemsize != 4 || out->stamp.format == NULL ||
+        strchr("IL", out->stamp.format[0]) == NULL) {
+        PyErr_Format(PyExc_TypeError, "stamp must be an array of 32-bit unsigned ints (format "
+                     "'I'), not of format %s", out->stamp.format ? out->stamp.format : "B");
+        PyBuffer_Release(&out->stamp);
+        return -1;
+    }
+    if (PyObject_GetBuffer(member, &out->member, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&out->stamp);
+        return -1;
+    }
+    Py_ssize_t stamps = out->stamp.len / 4;
+    out->slots = out->member.len < stamps ? out->member.len : stamps;
+    return 0;
+}
+
+static void lru_columns_release(lru_columns *columns) {
+    PyBuffer_Release(&columns->stamp);
+    PyBuffer_Release(&columns->member);
+}
+
+/* A position that fits a 32-bit stamp, for every one of n slots from start. */
+static int positions_fit(unsigned long long start, Py_ssize_t n) {
+    if (start + (unsigned long long)n > 0xFFFFFFFFull) {
+        PyErr_Format(PyExc_OverflowError, "positions %llu.. for %zd slots do not fit 32 bits",
+                     start, n);
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(stamp_members_doc,
+"stamp_members(stamp, member, slots, start) -> int\n--\n\n"
+"stamp[slots[i]] = start + i for the leading slots that are members (member[slot] != 0); stops\n"
+"at the first that is not, or is out of range or not an int >= 0. Returns how many it stamped\n"
+"(an LRU's batch of touches: kvtierd/eviction/lru.py).");
+
+static PyObject *stamp_members(PyObject *self, PyObject *args) {
+    PyObject *stamp, *member, *slots_arg;
+    unsigned long long start;
+    if (!PyArg_ParseTuple(args, "OOOK:stamp_members", &stamp, &member, &slots_arg, &start)) {
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(slots_arg, "slots must be a list or tuple of ints");
+    if (fast == NULL) {
+        return NULL;
+    }
+    lru_columns columns;
+    if (lru_columns_of(stamp, member, &columns) < 0) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), done = 0;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    if (positions_fit(start, n)) {
+        uint32_t *stamps = columns.stamp.buf;
+        const unsigned char *members = columns.member.buf;
+        for (; done < n; done++) {
+            Py_ssize_t slot = PyLong_Check(items[done]) ? PyLong_AsSsize_t(items[done]) : -1;
+            if (slot == -1 && PyErr_Occurred()) {
+                PyErr_Clear();  /* beyond any column: not a member */
+            }
+            if (slot < 0 || slot >= columns.slots || !members[slot]) {
+                break;
+            }
+            stamps[slot] = (uint32_t)(start + (unsigned long long)done);
+        }
+    }
+    lru_columns_release(&columns);
+    Py_DECREF(fast);
+    return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(done);
+}
+
+PyDoc_STRVAR(stamp_inserted_doc,
+"stamp_inserted(stamp, member, slots, start) -> int\n--\n\n"
+"member[slots[i]] = 1 and stamp[slots[i]] = start + i for every i (a slot twice: the later\n"
+"position wins); every slot is checked to be in range first. Returns how many were not members\n"
+"before (an LRU's batch of inserts).");
+
+static PyObject *stamp_inserted(PyObject *self, PyObject *args) {
+    PyObject *stamp, *member, *slots_arg;
+    unsigned long long start;
+    if (!PyArg_ParseTuple(args, "OOOK:stamp_inserted", &stamp, &member, &slots_arg, &start)) {
+        return NULL;
+    }
+    lru_columns columns;
+    if (lru_columns_of(stamp, member, &columns) < 0) {
+        return NULL;
+    }
+    Py_ssize_t *slots = NULL;
+    Py_ssize_t n = slots_of(slots_arg, columns.slots, &slots);
+    if (n < 0 || !positions_fit(start, n)) {
+        PyMem_Free(slots);
+        lru_columns_release(&columns);
+        return NULL;
+    }
+    uint32_t *stamps = columns.stamp.buf;
+    unsigned char *members = columns.member.buf;
+    Py_ssize_t new = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        new += !members[slots[i]];
+        members[slots[i]] = 1;
+        stamps[slots[i]] = (uint32_t)(start + (unsigned long long)i);
+    }
+    PyMem_Free(slots);
+    lru_columns_release(&columns);
+    return PyLong_FromSsize_t(new);
+}
+
+PyDoc_STRVAR(unstamp_members_doc,
+"unstamp_members(stamp, member, slots, none) -> int\n--\n\n"
+"stamp[slot] = none and member[slot] = 0 for every slot that is a member (others, and slots out\n"
+"of range, are left alone). Returns how many were members (an LRU's batch of removals).");
+
+static PyObject *unstamp_members(PyObject *self, PyObject *args) {
+    PyObject *stamp, *member, *slots_arg;
+    unsigned int none;
+    if (!PyArg_ParseTuple(args, "OOOI:unstamp_members", &stamp, &member, &slots_arg, &none)) {
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(slots_arg, "slots must be a list or tuple of ints");
+    if (fast == NULL) {
+        return NULL;
+    }
+    lru_columns columns;
+    if (lru_columns_of(stamp, member, &columns) < 0) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), removed = 0;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    uint32_t *stamps = columns.stamp.buf;
+    unsigned char *members = columns.member.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t slot = PyLong_Check(items[i]) ? PyLong_AsSsize_t(items[i]) : -1;
+        if (slot == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+        }
+        if (slot >= 0 && slot < columns.slots && members[slot]) {
+            stamps[slot] = none;
+            members[slot] = 0;
+            removed++;
+        }
+    }
+    lru_columns_release(&columns);
+    Py_DECREF(fast);
+    return PyLong_FromSsize_t(removed);
+}
+
 static PyMethodDef methods[] = {
     {"put_at", put_at, METH_VARARGS, put_at_doc},
     {"fill_at", fill_at, METH_VARARGS, fill_at_doc},
     {"put_records_at", put_records_at, METH_VARARGS, put_records_at_doc},
     {"take_at", take_at, METH_VARARGS, take_at_doc},
+    {"stamp_members", stamp_members, METH_VARARGS, stamp_members_doc},
+    {"stamp_inserted", stamp_inserted, METH_VARARGS, stamp_inserted_doc},
+    {"unstamp_members", unstamp_members, METH_VARARGS, unstamp_members_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,8 +5,20 @@ import random
 
 import pytest
 
-from kvtierd.eviction import POLICIES, LRUPolicy, make_policy
+from kvtierd.eviction import POLICIES, LRUPolicy, lru, make_policy
 from kvtierd.eviction.lru import _GARBAGE
+
+LOOPS = ("stamp_members", "stamp_inserted", "unstamp_members")
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def batch_loops(request, monkeypatch):
+    """Every test runs with the compiled batch loops (kvtierd.tiers._columns) and with their
+    Python forms (where the extension was not built)."""
+    if request.param == "python":
+        for name in LOOPS:
+            monkeypatch.setattr(lru, name, getattr(lru, f"{name}_python"))
+    return request.param
 
 
 def test_insertion_order_is_eviction_order():
