@@ -80,10 +80,12 @@ def unstamp_members_python(stamp: array, member: bytearray, slots: list[int], no
 
 
 try:  # the same loops compiled (setup.py; optional): a batch's stamps in one call
-    from kvtierd.tiers._columns import stamp_inserted, stamp_members, unstamp_members
+    from kvtierd.eviction._stamps import stamp_inserted, stamp_members, unstamp_members
+    NATIVE = "compiled"
 except ImportError:
     stamp_members, stamp_inserted = stamp_members_python, stamp_inserted_python
     unstamp_members = unstamp_members_python
+    NATIVE = "python"
 
 
 class LRUPolicy(EvictionPolicy):

@@ -23,16 +23,15 @@ from typing import Any, Callable
 
 import zmq
 
-from kvtierd import __version__, cuda_health, event_snapshot, key_sample
+from kvtierd import __version__, cuda_health, event_snapshot, native
 from kvtierd.config import Config
-from kvtierd.copy import memcpy
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.events import NO_EVENTS, ChainEventsAdapter, EventsCollector, NoEvents
 from kvtierd.ghost import GhostCaches, GhostCollector
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.notify import Notifier
 from kvtierd.protocol import PROTOCOL_VERSION, Op, ProtocolError, Status, pack, reply, unpack
-from kvtierd.server import envelope, heap_trim, requests, tier_setup
+from kvtierd.server import envelope, heap_trim, tier_setup
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.admission import Admission
 from kvtierd.server.connections import (
@@ -56,7 +55,6 @@ from kvtierd.server.startup import (  # noqa: F401 (StartupError: the CLI's impo
 from kvtierd.tenants import TenantTable
 from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
-from kvtierd.tiers import columns
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.cpu import CpuTier
 from kvtierd.tiers.lower import LowerTier, PublishPolicy
@@ -226,10 +224,8 @@ class Daemon:
                     self.events.stored(ikey, tier, info)
                 self.events.flush()  # queued before any request is answered, not after the first
             log.info("kvtierd %s ready on %s (protocol %d, cpu tier %d bytes, page %d bytes, "
-                     "host copies: %s, index columns: %s, request items: %s, ghost sampling: "
                      "%s)", __version__, self.cfg.socket, PROTOCOL_VERSION, self.cfg.cpu_bytes,
-                     self.cfg.page_bytes, memcpy.NATIVE, columns.NATIVE, requests.NATIVE,
-                     key_sample.NATIVE)
+                     self.cfg.page_bytes, native.summary())
             if self.cfg.cuda_pin_arena:
                 self.pinner.start()  # cudaHostRegister in the background (no CUDA: "unavailable")
             self._announce_when_pinned()

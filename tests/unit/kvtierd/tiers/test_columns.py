@@ -16,9 +16,6 @@ from array import array
 
 import pytest
 
-from kvtierd.eviction import lru
-from kvtierd.eviction.lru import NONE
-from kvtierd.tiers import _columns as compiled_columns
 from kvtierd.tiers import columns
 from kvtierd.tiers._columns import fill_at, put_at, put_records_at, take_at
 
@@ -125,41 +122,3 @@ def test_bad_calls_are_refused_before_anything_is_written(call, message):
         call(cols)
     assert cols == before  # nothing written, not even the slots before the bad one
 
-
-LRU_LOOPS = ("stamp_members", "stamp_inserted", "unstamp_members")
-
-
-def test_the_lru_uses_the_compiled_loops():
-    assert all(getattr(lru, name) is getattr(compiled_columns, name) for name in LRU_LOOPS)
-
-
-def test_the_lru_loops_match_their_python_forms():
-    """The eviction policy's batch loops (kvtierd/eviction/lru.py) on random stamp/member
-    columns and batches (members, non-members, repeats, slots past the end): the same columns
-    and the same counts from both forms."""
-    rng = random.Random(11)
-    n = 300
-    for _ in range(300):
-        member = bytearray(rng.choice([0, 1]) for _ in range(n))
-        stamp = array("I", [rng.randrange(NONE) if m else NONE for m in member])
-        columns = [(array("I", stamp), bytearray(member)) for _ in range(2)]
-        slots = [rng.randrange(n + 5) for _ in range(rng.randint(0, 40))]
-        start = rng.randrange(1 << 31)
-        name = rng.choice(LRU_LOOPS)
-        if name == "stamp_inserted":
-            slots = [slot % n for slot in slots]
-        arg = NONE if name == "unstamp_members" else start
-        got = [getattr(lru, f"{name}_python")(*columns[0], slots, arg),
-               getattr(compiled_columns, name)(*columns[1], slots, arg)]
-        assert got[0] == got[1] and columns[0] == columns[1], name
-
-
-def test_the_lru_loops_refuse_what_they_cannot_store():
-    stamp, member = array("I", [NONE] * 4), bytearray(4)
-    with pytest.raises(OverflowError, match="do not fit 32 bits"):
-        compiled_columns.stamp_inserted(stamp, member, [0, 1], NONE - 1)
-    with pytest.raises(IndexError, match="slots\\[1\\] is 4"):
-        compiled_columns.stamp_inserted(stamp, member, [0, 4], 0)
-    with pytest.raises(TypeError, match="32-bit unsigned"):
-        compiled_columns.stamp_members(array("Q", [0] * 4), member, [0], 0)
-    assert stamp == array("I", [NONE] * 4) and member == bytearray(4)  # nothing written
