@@ -15,6 +15,19 @@ from kvtierd.control import DaemonUnavailable, call
 from kvtierd.protocol import Op
 
 
+#: The extensions setup.py builds: every one optional, each with a Python form.
+COMPILED_PARTS = ("kvtierd.copy._ranges", "kvtierd.tiers._columns", "kvtierd.server._items",
+                  "kvtierd.eviction._stamps", "kvtierd._key_sample")
+#: A launcher for ``DaemonProcess`` running ``kvtierd serve`` as a build without a C compiler
+#: would: each compiled part's import fails (a ``None`` in ``sys.modules`` makes it raise
+#: ImportError), so the daemon runs the Python forms.
+WITHOUT_COMPILED_PARTS = [sys.executable, "-c", (
+    "import sys\n"
+    f"sys.modules.update(dict.fromkeys({COMPILED_PARTS!r}))\n"
+    "from kvtierd.cli import main\n"
+    "raise SystemExit(main())"), "serve"]
+
+
 class DaemonProcess:
     def __init__(self, workdir: Path, flags: list[str], cpu_bytes: str = "64MiB",
                  page_bytes: str = "64KiB", env: dict | None = None,

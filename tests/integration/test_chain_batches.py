@@ -16,6 +16,7 @@ import random
 
 import pytest
 from helpers.bad_input import Session, names, namespace
+from helpers.daemon import WITHOUT_COMPILED_PARTS
 from helpers.nvme import metric, wait_settled
 
 from kvtierd.protocol import Op, Tier
@@ -28,9 +29,12 @@ POISON = 0xD3
 STORED = 160  # 160 pages against the arena's 64: most of them are demoted to NVMe
 
 
-@pytest.fixture
-def daemon_factory(daemon_factory):
-    return functools.partial(daemon_factory, nvme_bytes="64MiB")
+@pytest.fixture(params=["compiled", "python"])
+def daemon_factory(daemon_factory, request):
+    """Daemons with an NVMe tier, running the compiled parts or (as a build without a C compiler
+    would) their Python forms: every batch path below runs both ways."""
+    launcher = WITHOUT_COMPILED_PARTS if request.param == "python" else None
+    return functools.partial(daemon_factory, nvme_bytes="64MiB", launcher=launcher)
 
 
 def put_all(session: Session, staging, keys: list[bytes], data: dict[bytes, bytes],
@@ -119,3 +123,9 @@ def test_put_get_delete_batches_with_chunks_in_the_arena_on_nvme_and_nowhere(dae
     other.close()
     session.close()
     d.check()
+    ready = next(line for line in d.log().splitlines() if " ready on " in line)
+    compiled = d.launcher is not WITHOUT_COMPILED_PARTS
+    form = "compiled" if compiled else "python"
+    assert all(f"{part}: {form}" in ready for part in ("index columns", "request items",
+                                                         "lru stamps", "ghost sampling")), ready
+    assert ("host copies: compiled copies and xxh3" if compiled else "host copies: ctypes") in ready
