@@ -12,13 +12,19 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The policy's per-slot columns: the stamps (array 'I') and the membership bytes. */
+/* One call's view of the policy's per-slot columns (the stamps, array 'I', and the membership
+ * bytes) and of its batch of slots. */
 typedef struct {
     Py_buffer stamp, member;
-    Py_ssize_t slots;  /* the slots both cover */
-} lru_columns;
+    uint32_t *stamps;
+    unsigned char *members;
+    Py_ssize_t slots;  /* the slots both columns cover */
+    PyObject *fast;    /* the batch, as a list or tuple */
+    PyObject **items;
+    Py_ssize_t n;
+} lru_batch;
 
-static int lru_columns_of(PyObject *stamp, PyObject *member, lru_columns *out) {
+static int lru_batch_of(PyObject *stamp, PyObject *member, PyObject *slots, lru_batch *out) {
     if (PyObject_GetBuffer(stamp, &out->stamp, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
         return -1;
     }
@@ -33,14 +39,36 @@ static int lru_columns_of(PyObject *stamp, PyObject *member, lru_columns *out) {
         PyBuffer_Release(&out->stamp);
         return -1;
     }
+    out->fast = PySequence_Fast(slots, "slots must be a list or tuple of ints");
+    if (out->fast == NULL) {
+        PyBuffer_Release(&out->stamp);
+        PyBuffer_Release(&out->member);
+        return -1;
+    }
     Py_ssize_t stamps = out->stamp.len / 4;
     out->slots = out->member.len < stamps ? out->member.len : stamps;
+    out->stamps = out->stamp.buf;
+    out->members = out->member.buf;
+    out->items = PySequence_Fast_ITEMS(out->fast);
+    out->n = PySequence_Fast_GET_SIZE(out->fast);
     return 0;
 }
 
-static void lru_columns_release(lru_columns *columns) {
-    PyBuffer_Release(&columns->stamp);
-    PyBuffer_Release(&columns->member);
+static void lru_batch_release(lru_batch *batch) {
+    PyBuffer_Release(&batch->stamp);
+    PyBuffer_Release(&batch->member);
+    Py_DECREF(batch->fast);
+}
+
+/* The batch's i-th slot if it is a member, else -1 (not an int >= 0, past the columns, or not a
+ * member): what the policy's Python loops treat as "not a member". */
+static Py_ssize_t member_at(const lru_batch *batch, Py_ssize_t i) {
+    PyObject *item = batch->items[i];
+    Py_ssize_t slot = PyLong_Check(item) ? PyLong_AsSsize_t(item) : -1;
+    if (slot == -1 && PyErr_Occurred()) {
+        PyErr_Clear();  /* beyond any column */
+    }
+    return slot >= 0 && slot < batch->slots && batch->members[slot] ? slot : -1;
 }
 
 /* A position that fits a 32-bit stamp, for every one of n slots from start. */
@@ -60,38 +88,20 @@ PyDoc_STRVAR(stamp_members_doc,
 "(an LRU's batch of touches: kvtierd/eviction/lru.py).");
 
 static PyObject *stamp_members(PyObject *self, PyObject *args) {
-    PyObject *stamp, *member, *slots_arg;
+    PyObject *stamp, *member, *slots;
     unsigned long long start;
-    if (!PyArg_ParseTuple(args, "OOOK:stamp_members", &stamp, &member, &slots_arg, &start)) {
+    lru_batch batch;
+    if (!PyArg_ParseTuple(args, "OOOK:stamp_members", &stamp, &member, &slots, &start) ||
+        lru_batch_of(stamp, member, slots, &batch) < 0) {
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(slots_arg, "slots must be a list or tuple of ints");
-    if (fast == NULL) {
-        return NULL;
-    }
-    lru_columns columns;
-    if (lru_columns_of(stamp, member, &columns) < 0) {
-        Py_DECREF(fast);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), done = 0;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    if (positions_fit(start, n)) {
-        uint32_t *stamps = columns.stamp.buf;
-        const unsigned char *members = columns.member.buf;
-        for (; done < n; done++) {
-            Py_ssize_t slot = PyLong_Check(items[done]) ? PyLong_AsSsize_t(items[done]) : -1;
-            if (slot == -1 && PyErr_Occurred()) {
-                PyErr_Clear();  /* beyond any column: not a member */
-            }
-            if (slot < 0 || slot >= columns.slots || !members[slot]) {
-                break;
-            }
-            stamps[slot] = (uint32_t)(start + (unsigned long long)done);
+    Py_ssize_t done = 0;
+    if (positions_fit(start, batch.n)) {
+        for (Py_ssize_t slot; done < batch.n && (slot = member_at(&batch, done)) >= 0; done++) {
+            batch.stamps[slot] = (uint32_t)(start + (unsigned long long)done);
         }
     }
-    lru_columns_release(&columns);
-    Py_DECREF(fast);
+    lru_batch_release(&batch);
     return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(done);
 }
 
@@ -102,47 +112,35 @@ PyDoc_STRVAR(stamp_inserted_doc,
 "before (an LRU's batch of inserts).");
 
 static PyObject *stamp_inserted(PyObject *self, PyObject *args) {
-    PyObject *stamp, *member, *slots_arg;
+    PyObject *stamp, *member, *slots;
     unsigned long long start;
-    if (!PyArg_ParseTuple(args, "OOOK:stamp_inserted", &stamp, &member, &slots_arg, &start)) {
+    lru_batch batch;
+    if (!PyArg_ParseTuple(args, "OOOK:stamp_inserted", &stamp, &member, &slots, &start) ||
+        lru_batch_of(stamp, member, slots, &batch) < 0) {
         return NULL;
     }
-    lru_columns columns;
-    if (lru_columns_of(stamp, member, &columns) < 0) {
-        return NULL;
-    }
-    PyObject *fast = PySequence_Fast(slots_arg, "slots must be a list or tuple of ints");
-    if (fast == NULL) {
-        lru_columns_release(&columns);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), new = -1;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t i = 0;
-    for (; i < n; i++) {  /* every slot checked before anything is written */
-        Py_ssize_t slot = PyLong_AsSsize_t(items[i]);
+    Py_ssize_t i = 0, new = -1;
+    for (; i < batch.n; i++) {  /* every slot checked before anything is written */
+        Py_ssize_t slot = PyLong_AsSsize_t(batch.items[i]);
         if (slot == -1 && PyErr_Occurred()) {
             break;
         }
-        if (slot < 0 || slot >= columns.slots) {
+        if (slot < 0 || slot >= batch.slots) {
             PyErr_Format(PyExc_IndexError, "slots[%zd] is %zd; the policy has %zd slots", i, slot,
-                         columns.slots);
+                         batch.slots);
             break;
         }
     }
-    if (i == n && positions_fit(start, n)) {
-        uint32_t *stamps = columns.stamp.buf;
-        unsigned char *members = columns.member.buf;
+    if (i == batch.n && positions_fit(start, batch.n)) {
         new = 0;
-        for (i = 0; i < n; i++) {
-            Py_ssize_t slot = PyLong_AsSsize_t(items[i]);
-            new += !members[slot];
-            members[slot] = 1;
-            stamps[slot] = (uint32_t)(start + (unsigned long long)i);
+        for (i = 0; i < batch.n; i++) {
+            Py_ssize_t slot = PyLong_AsSsize_t(batch.items[i]);
+            new += !batch.members[slot];
+            batch.members[slot] = 1;
+            batch.stamps[slot] = (uint32_t)(start + (unsigned long long)i);
         }
     }
-    Py_DECREF(fast);
-    lru_columns_release(&columns);
+    lru_batch_release(&batch);
     return new < 0 ? NULL : PyLong_FromSsize_t(new);
 }
 
@@ -152,37 +150,23 @@ PyDoc_STRVAR(unstamp_members_doc,
 "of range, are left alone). Returns how many were members (an LRU's batch of removals).");
 
 static PyObject *unstamp_members(PyObject *self, PyObject *args) {
-    PyObject *stamp, *member, *slots_arg;
+    PyObject *stamp, *member, *slots;
     unsigned int none;
-    if (!PyArg_ParseTuple(args, "OOOI:unstamp_members", &stamp, &member, &slots_arg, &none)) {
+    lru_batch batch;
+    if (!PyArg_ParseTuple(args, "OOOI:unstamp_members", &stamp, &member, &slots, &none) ||
+        lru_batch_of(stamp, member, slots, &batch) < 0) {
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(slots_arg, "slots must be a list or tuple of ints");
-    if (fast == NULL) {
-        return NULL;
-    }
-    lru_columns columns;
-    if (lru_columns_of(stamp, member, &columns) < 0) {
-        Py_DECREF(fast);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), removed = 0;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    uint32_t *stamps = columns.stamp.buf;
-    unsigned char *members = columns.member.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t slot = PyLong_Check(items[i]) ? PyLong_AsSsize_t(items[i]) : -1;
-        if (slot == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-        }
-        if (slot >= 0 && slot < columns.slots && members[slot]) {
-            stamps[slot] = none;
-            members[slot] = 0;
+    Py_ssize_t removed = 0;
+    for (Py_ssize_t i = 0; i < batch.n; i++) {
+        Py_ssize_t slot = member_at(&batch, i);
+        if (slot >= 0) {
+            batch.stamps[slot] = none;
+            batch.members[slot] = 0;
             removed++;
         }
     }
-    lru_columns_release(&columns);
-    Py_DECREF(fast);
+    lru_batch_release(&batch);
     return PyLong_FromSsize_t(removed);
 }
 

@@ -141,3 +141,14 @@ class Reads:
         entries = [x for x in self.got_batch if type(x) is not int]
         self.batch.release_slots(self.slots, self.pages)
         assert self.batch.release_read(entries) == sum(e.nbytes for e in entries)
+
+
+def python_columns(monkeypatch) -> None:
+    """Make the index read and write its columns with ``kvtierd.tiers.columns``' Python loops,
+    as where ``kvtierd.tiers._columns`` was not built."""
+    from kvtierd.tiers import base, columns, cpu_batch, index_batch  # noqa: PLC0415
+
+    for name in ("fill_at", "put_at", "put_records_at", "take_at"):
+        monkeypatch.setattr(index_batch, name, getattr(columns, f"{name}_python"))
+    for module in (cpu_batch, base):
+        monkeypatch.setattr(module, "take_at", columns.take_at_python)

@@ -8,9 +8,8 @@ import pytest
 import xxhash
 
 from helpers.cpu_pair import (OTHER, PAGE, PAGES, SPACE, Reads, delete_each, fill, payload_of,
-                              put_each, state)
+                              put_each, python_columns, state)
 from kvtierd.protocol import Status
-from kvtierd.tiers import columns, cpu_batch, index_batch
 from kvtierd.tiers.chunk import ChunkState
 
 
@@ -121,12 +120,9 @@ def test_reservations_held_by_slot_match_per_item_reserve(pair, seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_same_with_the_index_columns_written_by_the_python_loops(pair, seed, monkeypatch):
-    """``test_reservations_held_by_slot_match_per_item_reserve`` where ``kvtierd.tiers._columns``
-    was not built: the index's batch edits then read and write their columns with the Python loops of
-    ``kvtierd.tiers.columns``."""
-    for name in ("fill_at", "put_at", "put_records_at", "take_at"):
-        monkeypatch.setattr(index_batch, name, getattr(columns, f"{name}_python"))
-    monkeypatch.setattr(cpu_batch, "take_at", columns.take_at_python)
+    """``test_reservations_held_by_slot_match_per_item_reserve`` with the index's columns read
+    and written by the Python loops (where ``kvtierd.tiers._columns`` was not built)."""
+    python_columns(monkeypatch)
     test_reservations_held_by_slot_match_per_item_reserve(pair, seed)
 
 
