@@ -14,12 +14,13 @@ A threshold of ``EVERY`` (2**64, a sample ratio of 1) or more keeps every key.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from itertools import repeat
 from typing import Sequence
 
 import xxhash
+
+from kvtierd import xxhash_exports
 
 EVERY = 1 << 64  # a threshold every 64-bit hash is below
 #: The ``xxhash`` extension's exports tried, in order (the one dispatching to the CPU's widest
@@ -49,18 +50,12 @@ def _seeded_address(names: tuple[str, ...] = XXH3_64_SEEDED_NAMES) -> int | None
     xxh3 changes its method and random seeds; else None (the Python forms run)."""
     try:
         from kvtierd import _key_sample  # noqa: PLC0415 (optional: absent without a compiler)
-
-        lib = ctypes.CDLL(xxhash._xxhash.__file__)
-    except (ImportError, AttributeError, OSError):
+    except ImportError:
         return None
     keys = [os.urandom(n) for n in (0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024)]
     seeds = [0, 1, int.from_bytes(os.urandom(8), "little")]
-    for name in names:
-        try:
-            address = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-        except AttributeError:
-            continue
-        if address and all(
+    for address in xxhash_exports.addresses(names):
+        if all(
                 _key_sample.below(keys, seed, None, address, False)
                 == [xxhash.xxh3_64_intdigest(key, seed) for key in keys] for seed in seeds):
             return address

@@ -17,6 +17,8 @@ import os
 
 import xxhash
 
+from kvtierd import xxhash_exports
+
 #: Piece size for copy-then-hash: small enough to stay in L2, large enough to amortise the calls.
 PIECE_BYTES = 256 * 1024  # measured best of 64 KiB..2 MiB here
 
@@ -36,9 +38,7 @@ def _xxh3_128_address(names: tuple[str, ...] = XXH3_128_NAMES) -> int | None:
     lengths where xxh3 changes its method); else None, and PUT jobs hash in Python."""
     try:
         from kvtierd.copy import _ranges  # noqa: PLC0415 (optional: absent without a compiler)
-
-        lib = ctypes.CDLL(xxhash._xxhash.__file__)
-    except (ImportError, AttributeError, OSError):
+    except ImportError:
         return None
     lengths = [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 4096, 16384 + 5, PIECE_BYTES]
     src = bytearray(os.urandom(sum(lengths)))
@@ -47,12 +47,8 @@ def _xxh3_128_address(names: tuple[str, ...] = XXH3_128_NAMES) -> int | None:
     src_address = ctypes.addressof(ctypes.c_char.from_buffer(src))
     dst_address = ctypes.addressof(ctypes.c_char.from_buffer(dst))
     want = [_digest(src[offset:offset + length]) for offset, length in zip(offsets, lengths)]
-    for name in names:
-        try:
-            address = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-        except AttributeError:
-            continue
-        if address and all(
+    for address in xxhash_exports.addresses(names):
+        if all(
                 _ranges.copy_hash_many(dst_address, [offset], src_address, [offset], length,
                                        address) == [digest]
                 for offset, length, digest in zip(offsets, lengths, want)):
