@@ -189,6 +189,12 @@ class TierGhosts:
     def sampled(self, key: int) -> bool:
         return key < self._threshold
 
+    def own(self, hashes: list[int], top: int) -> list[int]:
+        """Of ``hashes`` sampled against ``top`` (the largest tier threshold), those this tier
+        samples: all of them at the largest threshold (the samples are nested)."""
+        threshold = self._threshold
+        return hashes if threshold >= top else [h for h in hashes if h < threshold]
+
     def stats(self) -> dict:
         return {
             "depth": self.depth,
@@ -259,7 +265,7 @@ class GhostCaches:
         sampled_hits = [hit_tiers[i] for i in at]
         for tier in self.tiers:
             threshold = tier._threshold
-            mine = sampled if threshold >= top else [h for h in sampled if h < threshold]
+            mine = tier.own(sampled, top)
             if not mine:
                 continue
             tier.accesses += len(mine)
@@ -283,8 +289,7 @@ class GhostCaches:
         sampled = key_sample.below(keys, _space_seed(*space), top)
         real = self._depth.get(hit_tier, -1) if hit_tier is not None else -1
         for tier in self.tiers:
-            threshold = tier._threshold
-            mine = sampled if threshold >= top else [h for h in sampled if h < threshold]
+            mine = tier.own(sampled, top)
             if not mine:
                 continue
             tier.accesses += len(mine)
@@ -317,8 +322,7 @@ class GhostCaches:
         top = self._top_threshold
         sampled = key_sample.below(keys, _space_seed(*space), top)
         for tier in self.tiers:
-            threshold = tier._threshold
-            mine = sampled if threshold >= top else [h for h in sampled if h < threshold]
+            mine = tier.own(sampled, top)
             for ghost in tier.ghosts.values():
                 ghost.touch_many(mine)
 
@@ -362,8 +366,7 @@ class GhostCaches:
         top = self._top_threshold
         sampled = key_sample.below(keys, _space_seed(*space), top)
         for tier in self.tiers:
-            threshold = tier._threshold
-            mine = sampled if threshold >= top else [h for h in sampled if h < threshold]
+            mine = tier.own(sampled, top)
             for ghost in tier.ghosts.values():
                 ghost.remove_many(mine)
 
