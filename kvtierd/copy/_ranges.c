@@ -26,6 +26,50 @@ typedef struct {
 
 typedef xxh128_hash (*xxh3_128_fn)(const void *input, size_t length);
 
+/* xxHash's streaming API (XXH3_state_t is opaque here: only xxHash's own functions touch it). A
+ * range longer than a piece is copied and hashed piece by piece, each piece hashed right after its
+ * copy while it is still in L2, and the whole range is still one GIL release. */
+typedef void *(*xxh3_create_fn)(void);
+typedef int (*xxh3_free_fn)(void *state);
+typedef int (*xxh3_reset_fn)(void *state);
+typedef int (*xxh3_update_fn)(void *state, const void *input, size_t length);
+typedef xxh128_hash (*xxh3_digest_fn)(const void *state);
+
+typedef struct {
+    xxh3_create_fn create;
+    xxh3_free_fn free;
+    xxh3_reset_fn reset;
+    xxh3_update_fn update;
+    xxh3_digest_fn digest;
+} xxh3_stream;
+
+/* The five addresses of a stream tuple (create, free, reset, update, digest); 0 on success, -1
+ * with an exception set. */
+static int stream_of(PyObject *addresses, xxh3_stream *out) {
+    unsigned long long a[5];
+    if (!PyTuple_Check(addresses) ||
+        !PyArg_ParseTuple(addresses, "KKKKK;stream is (create, free, reset, update, digest)",
+                          &a[0], &a[1], &a[2], &a[3], &a[4])) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError,
+                            "stream is a tuple of 5 addresses (create, free, reset, update, digest)");
+        }
+        return -1;
+    }
+    for (int i = 0; i < 5; i++) {
+        if (a[i] == 0) {
+            PyErr_Format(PyExc_ValueError, "stream address %d is 0", i);
+            return -1;
+        }
+    }
+    out->create = (xxh3_create_fn)(uintptr_t)a[0];
+    out->free = (xxh3_free_fn)(uintptr_t)a[1];
+    out->reset = (xxh3_reset_fn)(uintptr_t)a[2];
+    out->update = (xxh3_update_fn)(uintptr_t)a[3];
+    out->digest = (xxh3_digest_fn)(uintptr_t)a[4];
+    return 0;
+}
+
 #define DIGEST_BYTES 16
 
 /* XXH128_canonicalFromHash: big-endian, high half first (what xxh3_128_digest returns). */
@@ -130,18 +174,30 @@ static PyObject *copy_many(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(copy_hash_many_doc,
-"copy_hash_many(dst_address, dsts, src_address, srcs, sizes, xxh3_128_address) -> list[bytes]\n"
+"copy_hash_many(dst_address, dsts, src_address, srcs, sizes, xxh3_128_address, piece_bytes=0,\n"
+"               stream=None) -> list[bytes]\n"
 "--\n\n"
 "memmove sizes[i] bytes (or sizes bytes, if an int) from src_address + srcs[i] to dst_address +\n"
 "dsts[i], for every i, and hash each destination range right after its copy (still in cache) with\n"
-"the XXH3_128bits at xxh3_128_address; the canonical 16-byte digests, in order. The GIL is\n"
-"released for the copies.");
+"the XXH3_128bits at xxh3_128_address; the canonical 16-byte digests, in order. With piece_bytes\n"
+"> 0 and stream (the addresses of XXH3_createState, XXH3_freeState, XXH3_128bits_reset, an\n"
+"XXH3_128bits_update and XXH3_128bits_digest), a range longer than piece_bytes is copied and\n"
+"hashed piece by piece instead (the same digest). The GIL is released for the copies.");
 
 static PyObject *copy_hash_many(PyObject *self, PyObject *args) {
     unsigned long long dst_address, src_address, hash_address;
-    PyObject *dsts, *srcs, *sizes;
-    if (!PyArg_ParseTuple(args, "KOKOOK:copy_hash_many", &dst_address, &dsts, &src_address,
-                          &srcs, &sizes, &hash_address)) {
+    PyObject *dsts, *srcs, *sizes, *stream_addresses = NULL;
+    Py_ssize_t piece = 0;
+    if (!PyArg_ParseTuple(args, "KOKOOK|nO:copy_hash_many", &dst_address, &dsts, &src_address,
+                          &srcs, &sizes, &hash_address, &piece, &stream_addresses)) {
+        return NULL;
+    }
+    xxh3_stream stream = {0};
+    if (piece < 0 || (piece > 0 && stream_addresses == NULL)) {
+        return PyErr_Format(PyExc_ValueError,
+                            "piece_bytes is %zd; it must be 0, or > 0 with a stream", piece);
+    }
+    if (piece > 0 && stream_of(stream_addresses, &stream) < 0) {
         return NULL;
     }
     Py_ssize_t nbytes = -1; /* one size for every range, or -1: a list of them */
@@ -168,17 +224,39 @@ static PyObject *copy_hash_many(PyObject *self, PyObject *args) {
         PyMem_Free(size);
         return PyErr_NoMemory();
     }
+    void *state = NULL;
+    if (piece > 0 && (state = stream.create()) == NULL) {
+        PyMem_Free(dst);
+        PyMem_Free(src);
+        PyMem_Free(size);
+        PyMem_Free(digests);
+        return PyErr_NoMemory();
+    }
     xxh3_128_fn hash = (xxh3_128_fn)(uintptr_t)hash_address;
     char *to = (char *)(uintptr_t)dst_address;
     const char *from = (const char *)(uintptr_t)src_address;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         size_t length = (size_t)(size != NULL ? size[i] : nbytes);
-        memmove(to + dst[i], from + src[i], length);
-        xxh128_hash h = hash(to + dst[i], length);
+        xxh128_hash h;
+        if (state != NULL && length > (size_t)piece) {
+            stream.reset(state);
+            for (size_t done = 0; done < length; done += (size_t)piece) {
+                size_t part = length - done < (size_t)piece ? length - done : (size_t)piece;
+                memmove(to + dst[i] + done, from + src[i] + done, part);
+                stream.update(state, to + dst[i] + done, part);
+            }
+            h = stream.digest(state);
+        } else {
+            memmove(to + dst[i], from + src[i], length);
+            h = hash(to + dst[i], length);
+        }
         canonical(&h, digests + i * DIGEST_BYTES);
     }
     Py_END_ALLOW_THREADS
+    if (state != NULL) {
+        stream.free(state);
+    }
     PyMem_Free(dst);
     PyMem_Free(src);
     PyMem_Free(size);

@@ -7,7 +7,10 @@ the payload from DRAM once instead of twice.
 
 A job of many one-range chunks (``copy_in_ranges``, ``copy_out_many``) goes to the compiled
 ``kvtierd.copy._ranges`` where it was built: the whole job in one call that releases the GIL once,
-instead of one release (two for a PUT: memmove, then xxh3) per chunk. ``NATIVE`` says which runs.
+instead of one release (two for a PUT: memmove, then xxh3) per chunk. A chunk longer than
+``PIECE_BYTES`` in one range is copied and hashed there piece by piece with xxHash's streaming
+functions (one GIL release per job instead of two per piece: two copy threads PUTting 2 MiB chunks
+fought over the GIL 16 times a chunk). ``NATIVE`` says which runs.
 """
 
 from __future__ import annotations
@@ -56,11 +59,45 @@ def _xxh3_128_address(names: tuple[str, ...] = XXH3_128_NAMES) -> int | None:
     return None
 
 
+#: xxHash's streaming functions for ranges longer than a piece, in ``_ranges``' order (create,
+#: free, reset, update, digest); of the updates, the one that picks the widest vector unit first.
+XXH3_STREAM_NAMES = (("XXH3_createState",), ("XXH3_freeState",), ("XXH3_128bits_reset",),
+                     ("XXH3_128bits_update_dispatch", "XXH3_128bits_update"),
+                     ("XXH3_128bits_digest",))
+
+
+def _xxh3_stream(one_shot: int | None,
+                 names: tuple[tuple[str, ...], ...] = XXH3_STREAM_NAMES) -> tuple[int, ...] | None:
+    """The addresses ``_ranges.copy_hash_many`` streams ranges longer than PIECE_BYTES with, if
+    the extension exports them and they give ``xxh3_128_digest``'s digests (checked on lengths
+    around and across piece boundaries); else None, and such ranges are hashed in Python."""
+    if one_shot is None:
+        return None
+    *fixed, updates, digest = names
+    found = [next(xxhash_exports.addresses(name), None) for name in (*fixed, digest)]
+    if None in found:
+        return None
+    lengths = [0, 1, PIECE_BYTES, PIECE_BYTES + 1, 2 * PIECE_BYTES, 3 * PIECE_BYTES + 17]
+    src = bytearray(os.urandom(sum(lengths)))
+    dst = bytearray(len(src))
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    want = [_digest(src[offset:offset + length]) for offset, length in zip(offsets, lengths)]
+    src_address = ctypes.addressof(ctypes.c_char.from_buffer(src))
+    dst_address = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    for update in xxhash_exports.addresses(updates):
+        stream = (*found[:3], update, found[3])
+        if (_ranges.copy_hash_many(dst_address, offsets, src_address, offsets, lengths, one_shot,
+                                   PIECE_BYTES, stream) == want and dst == src):
+            return stream
+    return None
+
+
 try:
     from kvtierd.copy import _ranges
 except ImportError:  # built without a C compiler (setup.py: the extension is optional)
     _ranges = None
 _XXH3_128 = _xxh3_128_address() if _ranges is not None else None
+_XXH3_STREAM = _xxh3_stream(_XXH3_128)
 #: Which copies jobs of one-range chunks run: "compiled copies and xxh3" (one GIL release per
 #: job), "compiled copies, xxh3 in Python", or "ctypes" (per chunk).
 NATIVE = ("compiled copies and xxh3" if _XXH3_128 is not None else
@@ -82,6 +119,10 @@ def copy_in(
         offset, length = segments[0]
         _memmove(dst_address + offset, src_address + src_offset, length)
         return _digest(dst_view[offset : offset + length])
+    if len(segments) == 1 and _XXH3_STREAM is not None:  # piece by piece in one C call
+        (offset, length), = segments
+        return _ranges.copy_hash_many(dst_address, [offset], src_address, [src_offset], length,
+                                      _XXH3_128, PIECE_BYTES, _XXH3_STREAM)[0]
     hasher = xxhash.xxh3_128()
     pos = src_address + src_offset
     for offset, length in segments:
@@ -102,6 +143,9 @@ def copy_in_ranges(src_address: int, srcs: list[int], dst_address: int, dsts: li
     job of reservations held by slot, or of entries whose pages are one run: one call, no list
     of segments per chunk."""
     if (sizes if type(sizes) is int else max(sizes, default=0)) > PIECE_BYTES:
+        if _XXH3_STREAM is not None:  # piece by piece in C, the whole job one GIL release
+            return _ranges.copy_hash_many(dst_address, dsts, src_address, srcs, sizes, _XXH3_128,
+                                          PIECE_BYTES, _XXH3_STREAM)
         each = [sizes] * len(srcs) if type(sizes) is int else sizes
         return [copy_in(src_address, src, dst_address, [(dst, nbytes)], dst_view)
                 for src, dst, nbytes in zip(srcs, dsts, each)]  # hashed piece by piece

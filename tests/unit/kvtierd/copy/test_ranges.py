@@ -24,6 +24,9 @@ def test_the_extension_is_built_and_its_xxh3_checked_out():
     assert memcpy.NATIVE == "compiled copies and xxh3"
     assert memcpy._ranges is not None and memcpy._XXH3_128
     assert memcpy._XXH3_128 == memcpy._xxh3_128_address()
+    # and the streaming functions that hash ranges longer than a piece
+    assert memcpy._XXH3_STREAM is not None and len(memcpy._XXH3_STREAM) == 5
+    assert memcpy._XXH3_STREAM == memcpy._xxh3_stream(memcpy._XXH3_128)
 
 
 def test_an_export_that_is_not_xxh3_128_is_never_used():
@@ -31,6 +34,18 @@ def test_an_export_that_is_not_xxh3_128_is_never_used():
     # XXH32 is exported too, but returns another hash: the start-up check refuses it
     assert memcpy._xxh3_128_address(("XXH32",)) is None
     assert memcpy._xxh3_128_address(("XXH32", "XXH3_128bits")) is not None
+
+
+def test_streaming_exports_that_are_not_xxh3_128_are_never_used():
+    create, free, reset, update, digest = memcpy.XXH3_STREAM_NAMES
+    # a 64-bit digest of the state returns another hash: the start-up check refuses it
+    assert memcpy._xxh3_stream(memcpy._XXH3_128,
+                               (create, free, reset, update, ("XXH3_64bits_digest",))) is None
+    assert memcpy._xxh3_stream(memcpy._XXH3_128,
+                               (create, free, ("no_such_symbol",), update, digest)) is None
+    assert memcpy._xxh3_stream(memcpy._XXH3_128, (create, free, reset, ("no_such_symbol",),
+                                                  digest)) is None
+    assert memcpy._xxh3_stream(None) is None  # no one-shot xxh3: nothing compiled hashes
 
 
 def scattered_job(rng: random.Random, count: int, nbytes: int) -> tuple[list[int], list[int], int]:
@@ -63,11 +78,44 @@ def check_copy_in(rng: random.Random, srcs: list[int], dsts: list[int], size: in
         assert native[d:d + n] == src[s:s + n]
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 17, 240, 241, 4096, 16384 + 3, memcpy.PIECE_BYTES])
+PIECE = memcpy.PIECE_BYTES
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 17, 240, 241, 4096, 16384 + 3, PIECE, PIECE + 1,
+                                    2 * PIECE, 3 * PIECE + 17])  # past PIECE: streamed by pieces
 def test_copy_in_ranges_matches_the_ctypes_reference(nbytes):
     rng = random.Random(nbytes)
-    srcs, dsts, size = scattered_job(rng, 37, nbytes)
+    srcs, dsts, size = scattered_job(rng, 37 if nbytes <= PIECE else 5, nbytes)
     check_copy_in(rng, srcs, dsts, size, nbytes)
+
+
+@pytest.mark.parametrize("stream", ["compiled", "python"])
+@pytest.mark.parametrize("segments", [[(100, 3 * PIECE + 17)], [(PIECE + 9, 2 * PIECE)],
+                                      [(0, PIECE + 1), (5 * PIECE, 7000), (3 * PIECE, PIECE)]])
+def test_copy_in_of_a_chunk_longer_than_a_piece(monkeypatch, stream, segments):
+    """One chunk: in one compiled call where it is one range, else (several segments, or no
+    streaming exports) piece by piece in Python; the same digest and bytes either way."""
+    if stream == "python":
+        monkeypatch.setattr(memcpy, "_XXH3_STREAM", None)
+    rng = random.Random(len(segments) * 31 + segments[0][1])
+    total = sum(n for _, n in segments)
+    src = bytearray(rng.randbytes(total + 123))
+    dst = bytearray([POISON]) * (6 * PIECE)
+    got = memcpy.copy_in(address(src), 123, address(dst), segments, memoryview(dst))
+    assert got == xxhash.xxh3_128_digest(src[123:])
+    expected = bytearray([POISON]) * len(dst)
+    pos = 123
+    for offset, length in segments:
+        expected[offset:offset + length] = src[pos:pos + length]
+        pos += length
+    assert dst == expected
+
+
+def test_copy_in_ranges_without_the_streaming_exports_hashes_in_python(monkeypatch):
+    monkeypatch.setattr(memcpy, "_XXH3_STREAM", None)
+    rng = random.Random(77)
+    srcs, dsts, size = scattered_job(rng, 4, 2 * PIECE + 5)
+    check_copy_in(rng, srcs, dsts, size, 2 * PIECE + 5)
 
 
 @pytest.mark.parametrize("largest", [16384, memcpy.PIECE_BYTES + 1])  # the latter: by pieces
@@ -112,11 +160,25 @@ def test_an_empty_job_copies_nothing():
     (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], [-5], h), r"sizes\[0\] is -5"),
     (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], -2, h), "sizes is -2"),
     (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], 1, 0), "xxh3_128_address is 0"),
+    (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], 1, h, 4), "piece_bytes is 4; it must be 0"),
+    (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], 1, h, -1, (1, 2, 3, 4, 5)),
+     "piece_bytes is -1"),
+    (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], 1, h, 4, (1, 2, 0, 4, 5)),
+     "stream address 2 is 0"),
 ])
 def test_bad_jobs_are_refused_before_anything_is_copied(call, message):
     buf = bytearray([POISON]) * 8
     with pytest.raises(ValueError, match=message):
         call(memcpy._ranges, address(buf), memcpy._XXH3_128)
+    assert buf == bytearray([POISON]) * 8
+
+
+def test_a_stream_is_a_tuple_of_five_addresses():
+    buf = bytearray([POISON]) * 8
+    for stream in ([1, 2, 3, 4, 5], (1, 2, 3, 4), (1, 2, 3, 4, "5")):
+        with pytest.raises(TypeError, match="stream is"):
+            memcpy._ranges.copy_hash_many(address(buf), [0], address(buf), [0], 1,
+                                          memcpy._XXH3_128, 4, stream)
     assert buf == bytearray([POISON]) * 8
 
 
