@@ -131,6 +131,11 @@ class MemfdStaging:
         ``dsts[i]``; checksums."""
         return memcpy.copy_in_ranges(self.address, srcs, arena.address, dsts, sizes, arena.view)
 
+    def copy_in_chunks(self, arena: Arena, offsets: list[int],
+                       segments: list[list[tuple[int, int]]]) -> list[bytes]:
+        """``copy_in`` of each ``(offsets[j], segments[j])``; checksums."""
+        return memcpy.copy_in_chunks(self.address, offsets, arena.address, segments, arena.view)
+
     def copy_out(self, arena: Arena, segments: list[tuple[int, int]], offset: int) -> None:
         memcpy.copy_out(arena.address, segments, self.address, offset)
 

@@ -185,6 +185,11 @@ class CudaIpcStaging:
         return [self.copy_in(src, arena, [(dst, nbytes)])
                 for src, dst, nbytes in zip(srcs, dsts, each)]
 
+    def copy_in_chunks(self, arena: Arena, offsets: list[int],
+                       segments: list[list[tuple[int, int]]]) -> list[bytes]:
+        """``copy_in`` of each ``(offsets[j], segments[j])``; checksums."""
+        return [self.copy_in(offset, arena, segs) for offset, segs in zip(offsets, segments)]
+
     def copy_out(self, arena: Arena, segments: list[tuple[int, int]], offset: int) -> None:
         """Arena → staging (host to device); returns once the bytes are on the device."""
         self._copy(offset, arena, segments, MEMCPY_HOST_TO_DEVICE)

@@ -143,6 +143,32 @@ static Py_ssize_t job_offsets(PyObject *dsts, PyObject *srcs, PyObject *sizes, P
     return n;
 }
 
+/* memmove length bytes from `from` to `to` piece by piece, each piece fed to the hash state right
+ * after its copy (still in cache). Runs without the GIL. */
+static void copy_update(const xxh3_stream *stream, void *state, char *to, const char *from,
+                        size_t length, size_t piece) {
+    for (size_t done = 0; done < length; done += piece) {
+        size_t part = length - done < piece ? length - done : piece;
+        memmove(to + done, from + done, part);
+        stream->update(state, to + done, part);
+    }
+}
+
+/* The canonical digests (16 bytes each) of n chunks as a list of bytes; NULL with an exception. */
+static PyObject *digest_list(const unsigned char *digests, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *digest = PyBytes_FromStringAndSize((const char *)digests + i * DIGEST_BYTES,
+                                                     DIGEST_BYTES);
+        if (digest == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, digest);
+    }
+    return out;
+}
+
 PyDoc_STRVAR(copy_many_doc,
 "copy_many(dst_address, dsts, src_address, srcs, sizes)\n--\n\n"
 "memmove sizes[i] bytes from src_address + srcs[i] to dst_address + dsts[i], for every i, in\n"
@@ -241,11 +267,7 @@ static PyObject *copy_hash_many(PyObject *self, PyObject *args) {
         xxh128_hash h;
         if (state != NULL && length > (size_t)piece) {
             stream.reset(state);
-            for (size_t done = 0; done < length; done += (size_t)piece) {
-                size_t part = length - done < (size_t)piece ? length - done : (size_t)piece;
-                memmove(to + dst[i] + done, from + src[i] + done, part);
-                stream.update(state, to + dst[i] + done, part);
-            }
+            copy_update(&stream, state, to + dst[i], from + src[i], length, (size_t)piece);
             h = stream.digest(state);
         } else {
             memmove(to + dst[i], from + src[i], length);
@@ -260,16 +282,99 @@ static PyObject *copy_hash_many(PyObject *self, PyObject *args) {
     PyMem_Free(dst);
     PyMem_Free(src);
     PyMem_Free(size);
-    PyObject *out = PyList_New(n);
-    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *digest = PyBytes_FromStringAndSize((const char *)digests + i * DIGEST_BYTES,
-                                                     DIGEST_BYTES);
-        if (digest == NULL) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, i, digest);
+    PyObject *out = digest_list(digests, n);
+    PyMem_Free(digests);
+    return out;
+}
+
+PyDoc_STRVAR(copy_hash_chunks_doc,
+"copy_hash_chunks(dst_address, dsts, src_address, srcs, sizes, counts, xxh3_128_address,\n"
+"                 piece_bytes, stream) -> list[bytes]\n"
+"--\n\n"
+"copy_hash_many of chunks made of several ranges: chunk j is the next counts[j] ranges (memmove\n"
+"sizes[i] bytes from src_address + srcs[i] to dst_address + dsts[i]), hashed as one payload in\n"
+"range order, piece by piece with stream; a chunk of one range of at most piece_bytes is hashed\n"
+"in one call at xxh3_128_address. One canonical digest per chunk. The GIL is released once.");
+
+static PyObject *copy_hash_chunks(PyObject *self, PyObject *args) {
+    unsigned long long dst_address, src_address, hash_address;
+    PyObject *dsts, *srcs, *sizes, *counts_seq, *stream_addresses;
+    Py_ssize_t piece;
+    if (!PyArg_ParseTuple(args, "KOKOOOKnO:copy_hash_chunks", &dst_address, &dsts, &src_address,
+                          &srcs, &sizes, &counts_seq, &hash_address, &piece, &stream_addresses)) {
+        return NULL;
     }
+    xxh3_stream stream;
+    if (hash_address == 0) {
+        return PyErr_Format(PyExc_ValueError, "xxh3_128_address is 0");
+    }
+    if (piece <= 0) {
+        return PyErr_Format(PyExc_ValueError, "piece_bytes is %zd; it must be > 0", piece);
+    }
+    if (stream_of(stream_addresses, &stream) < 0) {
+        return NULL;
+    }
+    Py_ssize_t *counts;
+    Py_ssize_t chunks = offsets_of(counts_seq, "counts", &counts);
+    if (chunks < 0) {
+        return NULL;
+    }
+    Py_ssize_t *dst, *src, *size;
+    Py_ssize_t n = job_offsets(dsts, srcs, sizes, &dst, &src, &size);
+    if (n < 0) {
+        PyMem_Free(counts);
+        return NULL;
+    }
+    Py_ssize_t ranges = 0; /* never past n + 1: a larger count cannot add up to n */
+    for (Py_ssize_t j = 0; j < chunks && ranges <= n; j++) {
+        ranges = counts[j] > n - ranges ? n + 1 : ranges + counts[j];
+    }
+    unsigned char *digests = NULL;
+    void *state = NULL;
+    if (ranges != n) {
+        PyErr_Format(PyExc_ValueError, "counts add up to %s%zd ranges; the job has %zd",
+                     ranges > n ? "more than " : "", ranges > n ? n : ranges, n);
+    } else if ((digests = PyMem_Malloc((size_t)(chunks > 0 ? chunks : 1) * DIGEST_BYTES)) == NULL) {
+        PyErr_NoMemory();
+    } else if ((state = stream.create()) == NULL) {
+        PyErr_NoMemory();
+    }
+    if (state == NULL) {
+        PyMem_Free(digests);
+        PyMem_Free(counts);
+        PyMem_Free(dst);
+        PyMem_Free(src);
+        PyMem_Free(size);
+        return NULL;
+    }
+    xxh3_128_fn hash = (xxh3_128_fn)(uintptr_t)hash_address;
+    char *to = (char *)(uintptr_t)dst_address;
+    const char *from = (const char *)(uintptr_t)src_address;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t i = 0;
+    for (Py_ssize_t j = 0; j < chunks; j++) {
+        xxh128_hash h;
+        if (counts[j] == 1 && size[i] <= piece) {
+            memmove(to + dst[i], from + src[i], (size_t)size[i]);
+            h = hash(to + dst[i], (size_t)size[i]);
+            i++;
+        } else {
+            stream.reset(state);
+            for (Py_ssize_t end = i + counts[j]; i < end; i++) {
+                copy_update(&stream, state, to + dst[i], from + src[i], (size_t)size[i],
+                            (size_t)piece);
+            }
+            h = stream.digest(state);
+        }
+        canonical(&h, digests + j * DIGEST_BYTES);
+    }
+    Py_END_ALLOW_THREADS
+    stream.free(state);
+    PyMem_Free(counts);
+    PyMem_Free(dst);
+    PyMem_Free(src);
+    PyMem_Free(size);
+    PyObject *out = digest_list(digests, chunks);
     PyMem_Free(digests);
     return out;
 }
@@ -277,6 +382,7 @@ static PyObject *copy_hash_many(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"copy_many", copy_many, METH_VARARGS, copy_many_doc},
     {"copy_hash_many", copy_hash_many, METH_VARARGS, copy_hash_many_doc},
+    {"copy_hash_chunks", copy_hash_chunks, METH_VARARGS, copy_hash_chunks_doc},
     {NULL, NULL, 0, NULL},
 };
 

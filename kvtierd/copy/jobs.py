@@ -27,8 +27,7 @@ def copy_in(staging: Any, arena: Any, segments: Segments, job: Job) -> list[byte
         runs = [seg[0] for seg in segs]
         return staging.copy_in_ranges(arena, [offset for _, _, offset in job],
                                       [run[0] for run in runs], [run[1] for run in runs])
-    put = staging.copy_in
-    return [put(offset, arena, seg) for (_, _, offset), seg in zip(job, segs)]
+    return staging.copy_in_chunks(arena, [offset for _, _, offset in job], segs)
 
 
 def copy_out(staging: Any, arena: Any, segments: Segments, job: Job) -> set[int]:

@@ -119,10 +119,37 @@ def copy_in(
         offset, length = segments[0]
         _memmove(dst_address + offset, src_address + src_offset, length)
         return _digest(dst_view[offset : offset + length])
-    if len(segments) == 1 and _XXH3_STREAM is not None:  # piece by piece in one C call
-        (offset, length), = segments
-        return _ranges.copy_hash_many(dst_address, [offset], src_address, [src_offset], length,
-                                      _XXH3_128, PIECE_BYTES, _XXH3_STREAM)[0]
+    if _XXH3_STREAM is not None:  # piece by piece in one C call
+        return copy_in_chunks(src_address, [src_offset], dst_address, [segments], dst_view)[0]
+    return copy_in_python(src_address, src_offset, dst_address, segments, dst_view)
+
+
+def copy_in_chunks(src_address: int, src_offsets: list[int], dst_address: int,
+                   segments: list[list[tuple[int, int]]], dst_view: memoryview) -> list[bytes]:
+    """``copy_in`` of many chunks (chunk ``j``: contiguous source at ``src_offsets[j]`` into the
+    destination ranges ``segments[j]``): one compiled call for the whole job where the streaming
+    exports checked out (a PUT job into a fragmented arena, whose chunks are several runs each)."""
+    if _XXH3_STREAM is None:
+        return [copy_in(src_address, offset, dst_address, segs, dst_view)
+                for offset, segs in zip(src_offsets, segments)]
+    dsts: list[int] = []
+    srcs: list[int] = []
+    sizes: list[int] = []
+    for offset, segs in zip(src_offsets, segments):
+        for dst, length in segs:
+            dsts.append(dst)
+            srcs.append(offset)
+            sizes.append(length)
+            offset += length
+    return _ranges.copy_hash_chunks(dst_address, dsts, src_address, srcs, sizes,
+                                    list(map(len, segments)), _XXH3_128, PIECE_BYTES,
+                                    _XXH3_STREAM)
+
+
+def copy_in_python(src_address: int, src_offset: int, dst_address: int,
+                   segments: list[tuple[int, int]], dst_view: memoryview) -> bytes:
+    """``copy_in`` by pieces of at most PIECE_BYTES, a memmove and a hasher update each (without
+    the streaming exports; and the reference the compiled form is tested against)."""
     hasher = xxhash.xxh3_128()
     pos = src_address + src_offset
     for offset, length in segments:

@@ -188,3 +188,73 @@ def test_offsets_must_be_integers():
         memcpy._ranges.copy_many(address(buf), [0.5], address(buf), [0], [1])
     with pytest.raises(TypeError, match="dsts"):
         memcpy._ranges.copy_many(address(buf), 7, address(buf), [0], [1])
+
+
+def fragmented_job(rng: random.Random, count: int) -> tuple[list[int], list[list[tuple[int, int]]],
+                                                            int, int]:
+    """``count`` chunks of 0 to 4 destination ranges each (sizes up to past two pieces), laid
+    out without overlap in a shuffled order with gaps: (source offsets, segments, source size,
+    destination size)."""
+    lengths = [[rng.choice([1, 17, 4096, PIECE - 1, PIECE, PIECE + 3, 2 * PIECE + 1])
+                for _ in range(rng.randint(0, 4))] for _ in range(count)]
+    flat = [n for chunk in lengths for n in chunk]
+    order = list(range(len(flat)))
+    rng.shuffle(order)
+    place, pos = {}, 0
+    for i in order:
+        pos += rng.randint(0, 100)
+        place[i] = pos
+        pos += flat[i]
+    segments, offsets, k, src_pos = [], [], 0, 0
+    for chunk in lengths:
+        offsets.append(src_pos + 7)
+        segments.append([(place[k + i], n) for i, n in enumerate(chunk)])
+        k += len(chunk)
+        src_pos += sum(chunk) + 7
+    return offsets, segments, src_pos + 7, pos + 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_copy_in_chunks_matches_the_python_pieces(monkeypatch, seed):
+    """A PUT job into a fragmented arena (chunks of several runs, some empty, some one short
+    run): the compiled job against ``copy_in_python`` chunk by chunk, into poisoned memory."""
+    rng = random.Random(seed)
+    offsets, segments, src_size, dst_size = fragmented_job(rng, 12)
+    src = bytearray(rng.randbytes(src_size))
+    native, reference = bytearray([POISON]) * dst_size, bytearray([POISON]) * dst_size
+
+    got = memcpy.copy_in_chunks(address(src), offsets, address(native), segments,
+                                memoryview(native))
+    want = [memcpy.copy_in_python(address(src), offset, address(reference), segs,
+                                  memoryview(reference))
+            for offset, segs in zip(offsets, segments)]
+
+    assert got == want
+    assert got == [xxhash.xxh3_128_digest(src[o:o + sum(n for _, n in segs)])
+                   for o, segs in zip(offsets, segments)]
+    assert native == reference
+    # and without the streaming exports: the same, chunk by chunk in Python
+    monkeypatch.setattr(memcpy, "_XXH3_STREAM", None)
+    fallback = bytearray([POISON]) * dst_size
+    assert memcpy.copy_in_chunks(address(src), offsets, address(fallback), segments,
+                                 memoryview(fallback)) == want
+    assert fallback == reference
+
+
+@pytest.mark.parametrize("counts, message", [
+    ([1], "counts add up to 1 ranges; the job has 2"),
+    ([1, 2], "counts add up to more than 2 ranges; the job has 2"),
+    ([2**62, 2**62], "counts add up to more than 2 ranges"),
+    ([3, -1], r"counts\[1\] is -1"),
+])
+def test_chunk_counts_that_do_not_cover_the_job_are_refused(counts, message):
+    buf = bytearray([POISON]) * 8
+    with pytest.raises(ValueError, match=message):
+        memcpy._ranges.copy_hash_chunks(address(buf), [0, 4], address(buf), [0, 4], [1, 1],
+                                        counts, memcpy._XXH3_128, PIECE, memcpy._XXH3_STREAM)
+    for piece, hash_address, match in ((0, memcpy._XXH3_128, "piece_bytes is 0"),
+                                       (PIECE, 0, "xxh3_128_address is 0")):
+        with pytest.raises(ValueError, match=match):
+            memcpy._ranges.copy_hash_chunks(address(buf), [0], address(buf), [0], [1], [1],
+                                            hash_address, piece, memcpy._XXH3_STREAM)
+    assert buf == bytearray([POISON]) * 8
