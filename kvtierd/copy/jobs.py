@@ -32,19 +32,29 @@ def copy_in(staging: Any, arena: Any, segments: Segments, job: Job) -> list[byte
 
 def copy_out(staging: Any, arena: Any, segments: Segments, job: Job) -> set[int]:
     """The entries' arena pages → staging (or reply buffers); return the job positions whose
-    chunk failed its first-read check (after a warm restart) and was not copied."""
+    chunk failed its first-read check (after a warm restart) and was not copied. Into staging,
+    every range of every chunk (several per chunk in a fragmented arena) is one
+    ``copy_out_many`` call: one GIL release for the job, not one per range."""
     view = arena.view
     bad: set[int] = set()
-    get = staging.copy_out if staging is not None else None
+    srcs: list[int] = []
+    dsts: list[int] = []
+    sizes: list[int] = []
     for pos, (_, entry, target) in enumerate(job):
         segs = segments(entry)
         if not entry.verified and memcpy.checksum(view, segs) != entry.checksum:
             bad.add(pos)
             continue
-        if get is None:
+        if staging is None:
             _frame_out(arena, segs, target)
-        else:
-            get(arena, segs, target)
+            continue
+        for offset, length in segs:
+            srcs.append(offset)
+            dsts.append(target)
+            sizes.append(length)
+            target += length
+    if srcs:
+        staging.copy_out_many(arena, srcs, dsts, sizes)
     return bad
 
 
