@@ -1,11 +1,11 @@
-"""PUTs and GETs in a fragmented CPU tier: chunks whose pages are several runs, through a real daemon.
+"""PUTs and GETs in a fragmented CPU tier: chunks whose pages are several runs, in a real daemon.
 
 4 MiB tier of 64 KiB pages (64 pages) that evicts only when full (both watermarks 1.0).
-Single-page chunks fill it, every other one is deleted, so the free pages are 32 holes of one page: every chunk stored next is several runs, and the daemon's
-copy job takes them in one compiled call (``copy_hash_chunks``) where a chunk is longer than a
-copy piece (256 KiB) or not, and the GET's job copies all their ranges out in one call
-(``copy_out_many``). Each must come back byte-exact into poisoned staging, and the daemon's own
-checks must pass.
+Single-page chunks fill it and every other one is deleted, so the free pages are 32 holes of one
+page: every chunk stored next is several runs. The PUT's copy job takes them in one compiled call
+(``copy_hash_chunks``), whether a chunk is longer than a copy piece (256 KiB) or not, and the
+GET's job copies all their ranges out in one call (``copy_out_many``). Each must come back
+byte-exact into poisoned staging, and the daemon's own checks must pass.
 """
 
 from __future__ import annotations
