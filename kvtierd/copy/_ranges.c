@@ -51,8 +51,8 @@ static int stream_of(PyObject *addresses, xxh3_stream *out) {
         !PyArg_ParseTuple(addresses, "KKKKK;stream is (create, free, reset, update, digest)",
                           &a[0], &a[1], &a[2], &a[3], &a[4])) {
         if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_TypeError,
-                            "stream is a tuple of 5 addresses (create, free, reset, update, digest)");
+            PyErr_SetString(PyExc_TypeError, "stream is a tuple of 5 addresses "
+                                             "(create, free, reset, update, digest)");
         }
         return -1;
     }
