@@ -200,30 +200,18 @@ static PyObject *copy_many(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(copy_hash_many_doc,
-"copy_hash_many(dst_address, dsts, src_address, srcs, sizes, xxh3_128_address, piece_bytes=0,\n"
-"               stream=None) -> list[bytes]\n"
+"copy_hash_many(dst_address, dsts, src_address, srcs, sizes, xxh3_128_address) -> list[bytes]\n"
 "--\n\n"
 "memmove sizes[i] bytes (or sizes bytes, if an int) from src_address + srcs[i] to dst_address +\n"
 "dsts[i], for every i, and hash each destination range right after its copy (still in cache) with\n"
-"the XXH3_128bits at xxh3_128_address; the canonical 16-byte digests, in order. With piece_bytes\n"
-"> 0 and stream (the addresses of XXH3_createState, XXH3_freeState, XXH3_128bits_reset, an\n"
-"XXH3_128bits_update and XXH3_128bits_digest), a range longer than piece_bytes is copied and\n"
-"hashed piece by piece instead (the same digest). The GIL is released for the copies.");
+"the XXH3_128bits at xxh3_128_address; the canonical 16-byte digests, in order. The GIL is\n"
+"released for the copies.");
 
 static PyObject *copy_hash_many(PyObject *self, PyObject *args) {
     unsigned long long dst_address, src_address, hash_address;
-    PyObject *dsts, *srcs, *sizes, *stream_addresses = NULL;
-    Py_ssize_t piece = 0;
-    if (!PyArg_ParseTuple(args, "KOKOOK|nO:copy_hash_many", &dst_address, &dsts, &src_address,
-                          &srcs, &sizes, &hash_address, &piece, &stream_addresses)) {
-        return NULL;
-    }
-    xxh3_stream stream = {0};
-    if (piece < 0 || (piece > 0 && stream_addresses == NULL)) {
-        return PyErr_Format(PyExc_ValueError,
-                            "piece_bytes is %zd; it must be 0, or > 0 with a stream", piece);
-    }
-    if (piece > 0 && stream_of(stream_addresses, &stream) < 0) {
+    PyObject *dsts, *srcs, *sizes;
+    if (!PyArg_ParseTuple(args, "KOKOOK:copy_hash_many", &dst_address, &dsts, &src_address,
+                          &srcs, &sizes, &hash_address)) {
         return NULL;
     }
     Py_ssize_t nbytes = -1; /* one size for every range, or -1: a list of them */
@@ -250,35 +238,17 @@ static PyObject *copy_hash_many(PyObject *self, PyObject *args) {
         PyMem_Free(size);
         return PyErr_NoMemory();
     }
-    void *state = NULL;
-    if (piece > 0 && (state = stream.create()) == NULL) {
-        PyMem_Free(dst);
-        PyMem_Free(src);
-        PyMem_Free(size);
-        PyMem_Free(digests);
-        return PyErr_NoMemory();
-    }
     xxh3_128_fn hash = (xxh3_128_fn)(uintptr_t)hash_address;
     char *to = (char *)(uintptr_t)dst_address;
     const char *from = (const char *)(uintptr_t)src_address;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         size_t length = (size_t)(size != NULL ? size[i] : nbytes);
-        xxh128_hash h;
-        if (state != NULL && length > (size_t)piece) {
-            stream.reset(state);
-            copy_update(&stream, state, to + dst[i], from + src[i], length, (size_t)piece);
-            h = stream.digest(state);
-        } else {
-            memmove(to + dst[i], from + src[i], length);
-            h = hash(to + dst[i], length);
-        }
+        memmove(to + dst[i], from + src[i], length);
+        xxh128_hash h = hash(to + dst[i], length);
         canonical(&h, digests + i * DIGEST_BYTES);
     }
     Py_END_ALLOW_THREADS
-    if (state != NULL) {
-        stream.free(state);
-    }
     PyMem_Free(dst);
     PyMem_Free(src);
     PyMem_Free(size);

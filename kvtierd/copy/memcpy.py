@@ -68,26 +68,30 @@ XXH3_STREAM_NAMES = (("XXH3_createState",), ("XXH3_freeState",), ("XXH3_128bits_
 
 def _xxh3_stream(one_shot: int | None,
                  names: tuple[tuple[str, ...], ...] = XXH3_STREAM_NAMES) -> tuple[int, ...] | None:
-    """The addresses ``_ranges.copy_hash_many`` streams ranges longer than PIECE_BYTES with, if
+    """The addresses ``_ranges.copy_hash_chunks`` streams ranges longer than PIECE_BYTES with, if
     the extension exports them and they give ``xxh3_128_digest``'s digests (checked on lengths
-    around and across piece boundaries); else None, and such ranges are hashed in Python."""
+    around and across piece boundaries, and a chunk of two ranges); else None, and such chunks
+    are hashed in Python."""
     if one_shot is None:
         return None
     *fixed, updates, digest = names
     found = [next(xxhash_exports.addresses(name), None) for name in (*fixed, digest)]
     if None in found:
         return None
-    lengths = [0, 1, PIECE_BYTES, PIECE_BYTES + 1, 2 * PIECE_BYTES, 3 * PIECE_BYTES + 17]
+    lengths = [0, 1, PIECE_BYTES, PIECE_BYTES + 1, 2 * PIECE_BYTES, 3 * PIECE_BYTES + 17, 5]
+    counts = [1, 1, 1, 1, 1, 2]  # the last chunk: two ranges, hashed as one payload
     src = bytearray(os.urandom(sum(lengths)))
     dst = bytearray(len(src))
     offsets = [sum(lengths[:i]) for i in range(len(lengths))]
-    want = [_digest(src[offset:offset + length]) for offset, length in zip(offsets, lengths)]
+    ends = [sum(counts[:j + 1]) for j in range(len(counts))]
+    want = [_digest(src[offsets[end - count]:offsets[end - 1] + lengths[end - 1]])
+            for count, end in zip(counts, ends)]
     src_address = ctypes.addressof(ctypes.c_char.from_buffer(src))
     dst_address = ctypes.addressof(ctypes.c_char.from_buffer(dst))
     for update in xxhash_exports.addresses(updates):
         stream = (*found[:3], update, found[3])
-        if (_ranges.copy_hash_many(dst_address, offsets, src_address, offsets, lengths, one_shot,
-                                   PIECE_BYTES, stream) == want and dst == src):
+        if (_ranges.copy_hash_chunks(dst_address, offsets, src_address, offsets, lengths, counts,
+                                     one_shot, PIECE_BYTES, stream) == want and dst == src):
             return stream
     return None
 
@@ -170,10 +174,11 @@ def copy_in_ranges(src_address: int, srcs: list[int], dst_address: int, dsts: li
     job of reservations held by slot, or of entries whose pages are one run: one call, no list
     of segments per chunk."""
     if (sizes if type(sizes) is int else max(sizes, default=0)) > PIECE_BYTES:
-        if _XXH3_STREAM is not None:  # piece by piece in C, the whole job one GIL release
-            return _ranges.copy_hash_many(dst_address, dsts, src_address, srcs, sizes, _XXH3_128,
-                                          PIECE_BYTES, _XXH3_STREAM)
         each = [sizes] * len(srcs) if type(sizes) is int else sizes
+        if _XXH3_STREAM is not None:  # piece by piece in C, the whole job one GIL release
+            return _ranges.copy_hash_chunks(dst_address, dsts, src_address, srcs, each,
+                                            [1] * len(each), _XXH3_128, PIECE_BYTES,
+                                            _XXH3_STREAM)
         return [copy_in(src_address, src, dst_address, [(dst, nbytes)], dst_view)
                 for src, dst, nbytes in zip(srcs, dsts, each)]  # hashed piece by piece
     if _XXH3_128 is not None:

@@ -160,11 +160,14 @@ def test_an_empty_job_copies_nothing():
     (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], [-5], h), r"sizes\[0\] is -5"),
     (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], -2, h), "sizes is -2"),
     (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], 1, 0), "xxh3_128_address is 0"),
-    (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], 1, h, 4), "piece_bytes is 4; it must be 0"),
-    (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], 1, h, -1, (1, 2, 3, 4, 5)),
+    (lambda r, a, h: r.copy_hash_chunks(a, [0], a, [0], [1], [1], h, 0, (1, 2, 3, 4, 5)),
+     "piece_bytes is 0; it must be > 0"),
+    (lambda r, a, h: r.copy_hash_chunks(a, [0], a, [0], [1], [1], h, -1, (1, 2, 3, 4, 5)),
      "piece_bytes is -1"),
-    (lambda r, a, h: r.copy_hash_many(a, [0], a, [0], 1, h, 4, (1, 2, 0, 4, 5)),
+    (lambda r, a, h: r.copy_hash_chunks(a, [0], a, [0], [1], [1], h, 4, (1, 2, 0, 4, 5)),
      "stream address 2 is 0"),
+    (lambda r, a, h: r.copy_hash_chunks(a, [0], a, [0], [1], [1], 0, 4, (1, 2, 3, 4, 5)),
+     "xxh3_128_address is 0"),
 ])
 def test_bad_jobs_are_refused_before_anything_is_copied(call, message):
     buf = bytearray([POISON]) * 8
@@ -177,8 +180,8 @@ def test_a_stream_is_a_tuple_of_five_addresses():
     buf = bytearray([POISON]) * 8
     for stream in ([1, 2, 3, 4, 5], (1, 2, 3, 4), (1, 2, 3, 4, "5")):
         with pytest.raises(TypeError, match="stream is"):
-            memcpy._ranges.copy_hash_many(address(buf), [0], address(buf), [0], 1,
-                                          memcpy._XXH3_128, 4, stream)
+            memcpy._ranges.copy_hash_chunks(address(buf), [0], address(buf), [0], [1], [1],
+                                            memcpy._XXH3_128, 4, stream)
     assert buf == bytearray([POISON]) * 8
 
 
@@ -252,9 +255,4 @@ def test_chunk_counts_that_do_not_cover_the_job_are_refused(counts, message):
     with pytest.raises(ValueError, match=message):
         memcpy._ranges.copy_hash_chunks(address(buf), [0, 4], address(buf), [0, 4], [1, 1],
                                         counts, memcpy._XXH3_128, PIECE, memcpy._XXH3_STREAM)
-    for piece, hash_address, match in ((0, memcpy._XXH3_128, "piece_bytes is 0"),
-                                       (PIECE, 0, "xxh3_128_address is 0")):
-        with pytest.raises(ValueError, match=match):
-            memcpy._ranges.copy_hash_chunks(address(buf), [0], address(buf), [0], [1], [1],
-                                            hash_address, piece, memcpy._XXH3_STREAM)
     assert buf == bytearray([POISON]) * 8
