@@ -8,9 +8,10 @@ the payload from DRAM once instead of twice.
 A job of many one-range chunks (``copy_in_ranges``, ``copy_out_many``) goes to the compiled
 ``kvtierd.copy._ranges`` where it was built: the whole job in one call that releases the GIL once,
 instead of one release (two for a PUT: memmove, then xxh3) per chunk. A chunk longer than
-``PIECE_BYTES`` in one range is copied and hashed there piece by piece with xxHash's streaming
-functions (one GIL release per job instead of two per piece: two copy threads PUTting 2 MiB chunks
-fought over the GIL 16 times a chunk). ``NATIVE`` says which runs.
+``PIECE_BYTES``, or in several ranges (a fragmented arena), is copied and hashed there piece by
+piece with xxHash's streaming functions (``copy_in_chunks``: one GIL release per job instead of two
+per piece; two copy threads PUTting 2 MiB chunks fought over the GIL 16 times a chunk). ``NATIVE``
+says which runs.
 """
 
 from __future__ import annotations
