@@ -103,10 +103,20 @@ except ImportError:  # built without a C compiler (setup.py: the extension is op
     _ranges = None
 _XXH3_128 = _xxh3_128_address() if _ranges is not None else None
 _XXH3_STREAM = _xxh3_stream(_XXH3_128)
-#: Which copies jobs of one-range chunks run: "compiled copies and xxh3" (one GIL release per
-#: job), "compiled copies, xxh3 in Python", or "ctypes" (per chunk).
-NATIVE = ("compiled copies and xxh3" if _XXH3_128 is not None else
-          "compiled copies, xxh3 in Python" if _ranges is not None else "ctypes")
+
+
+def _native(ranges: object, one_shot: int | None, stream: tuple[int, ...] | None) -> str:
+    """Which copies PUT and GET jobs run, for the daemon's start-up line."""
+    if ranges is None:
+        return "ctypes"  # a memmove (and a hash) per chunk
+    if one_shot is None:
+        return "compiled copies, xxh3 in Python"
+    if stream is None:  # xxHash's streaming exports missing or refused
+        return "compiled copies and xxh3, long or multi-run chunks hashed in Python"
+    return "compiled copies and xxh3"  # one GIL release per job
+
+
+NATIVE = _native(_ranges, _XXH3_128, _XXH3_STREAM)
 
 
 def copy_in(

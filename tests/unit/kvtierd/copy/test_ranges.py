@@ -36,6 +36,15 @@ def test_an_export_that_is_not_xxh3_128_is_never_used():
     assert memcpy._xxh3_128_address(("XXH32", "XXH3_128bits")) is not None
 
 
+def test_the_start_up_line_says_which_copies_run():
+    assert memcpy._native(None, None, None) == "ctypes"
+    assert memcpy._native(memcpy._ranges, None, None) == "compiled copies, xxh3 in Python"
+    assert memcpy._native(memcpy._ranges, memcpy._XXH3_128, None) == (
+        "compiled copies and xxh3, long or multi-run chunks hashed in Python")
+    assert memcpy._native(memcpy._ranges, memcpy._XXH3_128, memcpy._XXH3_STREAM) == (
+        "compiled copies and xxh3")
+
+
 def test_streaming_exports_that_are_not_xxh3_128_are_never_used():
     create, free, reset, update, digest = memcpy.XXH3_STREAM_NAMES
     # a 64-bit digest of the state returns another hash: the start-up check refuses it
