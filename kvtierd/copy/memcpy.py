@@ -186,12 +186,8 @@ def copy_in_ranges(src_address: int, srcs: list[int], dst_address: int, dsts: li
     of segments per chunk."""
     if (sizes if type(sizes) is int else max(sizes, default=0)) > PIECE_BYTES:
         each = [sizes] * len(srcs) if type(sizes) is int else sizes
-        if _XXH3_STREAM is not None:  # piece by piece in C, the whole job one GIL release
-            return _ranges.copy_hash_chunks(dst_address, dsts, src_address, srcs, each,
-                                            [1] * len(each), _XXH3_128, PIECE_BYTES,
-                                            _XXH3_STREAM)
-        return [copy_in(src_address, src, dst_address, [(dst, nbytes)], dst_view)
-                for src, dst, nbytes in zip(srcs, dsts, each)]  # hashed piece by piece
+        return copy_in_chunks(src_address, srcs, dst_address,  # hashed piece by piece
+                              [[(dst, nbytes)] for dst, nbytes in zip(dsts, each)], dst_view)
     if _XXH3_128 is not None:
         return _ranges.copy_hash_many(dst_address, dsts, src_address, srcs, sizes, _XXH3_128)
     return copy_in_ranges_ctypes(src_address, srcs, dst_address, dsts, sizes, dst_view)
