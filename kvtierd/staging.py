@@ -4,8 +4,9 @@ The seam every staging kind implements (the copy threads call the two copies):
 
 * ``check_range(offset, nbytes)`` per item (None when inside),
 * ``copy_in(offset, arena, segments) -> checksum``: staging ``[offset, offset + sum(lengths))`` →
-  the arena ``segments`` (byte ranges in payload order), returning the payload's xxh3-128,
-* ``copy_out(arena, segments, offset)``: the reverse,
+  the arena ``segments`` (byte ranges in payload order), returning the payload's xxh3-128; for a
+  PUT job, ``copy_in_ranges`` (one-range chunks) and ``copy_in_chunks`` (any) of many at once,
+* ``copy_out_many(arena, srcs, dsts, sizes)``: a GET job's arena ranges → staging,
 * ``close()`` once no copy uses it.
 
 A client on the same host hands over a memfd by SCM_RIGHTS in the staging handshake
@@ -135,9 +136,6 @@ class MemfdStaging:
                        segments: list[list[tuple[int, int]]]) -> list[bytes]:
         """``copy_in`` of each ``(offsets[j], segments[j])``; checksums."""
         return memcpy.copy_in_chunks(self.address, offsets, arena.address, segments, arena.view)
-
-    def copy_out(self, arena: Arena, segments: list[tuple[int, int]], offset: int) -> None:
-        memcpy.copy_out(arena.address, segments, self.address, offset)
 
     def copy_out_many(self, arena: Arena, srcs: list[int], dsts: list[int],
                       sizes: list[int]) -> None:

@@ -1,7 +1,7 @@
 """CUDA IPC staging: a client's device buffer, opened once per session, copied with DMA.
 
-Implements the staging seam of ``kvtierd.staging`` (``check_range``, ``copy_in``, ``copy_out``,
-``close``). HELLO carries ``{"kind": "cuda_ipc", "ticket": bytes, "handle": <64-byte
+Implements the staging seam of ``kvtierd.staging`` (``check_range``, the ``copy_in`` calls,
+``copy_out_many``, ``close``). HELLO carries ``{"kind": "cuda_ipc", "ticket": bytes, "handle": <64-byte
 cudaIpcMemHandle_t>, "nbytes": int, "device": int, "pci_bus_id": str (optional)}``; the ticket of a
 ``cuda_ipc`` staging handshake gives the session its peer's credentials (``OpHandlers``); the daemon
 opens the handle once (``cudaIpcOpenMemHandle``, on the device with that PCI bus id when given, as
@@ -189,10 +189,6 @@ class CudaIpcStaging:
                        segments: list[list[tuple[int, int]]]) -> list[bytes]:
         """``copy_in`` of each ``(offsets[j], segments[j])``; checksums."""
         return [self.copy_in(offset, arena, segs) for offset, segs in zip(offsets, segments)]
-
-    def copy_out(self, arena: Arena, segments: list[tuple[int, int]], offset: int) -> None:
-        """Arena → staging (host to device); returns once the bytes are on the device."""
-        self._copy(offset, arena, segments, MEMCPY_HOST_TO_DEVICE)
 
     def copy_out_many(self, arena: Arena, srcs: list[int], dsts: list[int],
                       sizes: list[int]) -> None:

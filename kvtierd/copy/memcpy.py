@@ -212,21 +212,11 @@ def copy_in_ranges_ctypes(src_address: int, srcs: list[int], dst_address: int, d
     return out
 
 
-def copy_out(
-    src_address: int, segments: list[tuple[int, int]], dst_address: int, dst_offset: int
-) -> None:
-    """Copy ``segments`` of the source, in order, into one contiguous destination range."""
-    pos = dst_address + dst_offset
-    for offset, length in segments:
-        _memmove(pos, src_address + offset, length)
-        pos += length
-
-
 def copy_out_many(src_address: int, srcs: list[int], dst_address: int, dsts: list[int],
                   sizes: list[int]) -> None:
-    """``copy_out`` of many one-range chunks: ``sizes[i]`` bytes at ``srcs[i]`` of the source
-    to ``dsts[i]`` of the destination (a GET job of reads held by slot: one call, no list of
-    segments per chunk)."""
+    """A GET job's copies: ``sizes[i]`` bytes at ``srcs[i]`` of the source to ``dsts[i]`` of the
+    destination (one range per chunk held by slot, or every range of chunks with entries), in one
+    call."""
     if _ranges is not None:
         _ranges.copy_many(dst_address, dsts, src_address, srcs, sizes)
     else:

@@ -1,4 +1,4 @@
-"""copy_in / copy_out: random payloads through scattered page runs, byte-exact, checksummed."""
+"""copy_in / copy_out_many: random payloads through scattered page runs, byte-exact, checksummed."""
 
 import ctypes
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import xxhash
 
-from kvtierd.copy.memcpy import PIECE_BYTES, checksum, copy_in, copy_out
+from kvtierd.copy.memcpy import PIECE_BYTES, checksum, copy_in, copy_out_many
 from kvtierd.tiers.chunk import segments
 
 PAGE = 4096
@@ -58,7 +58,9 @@ def test_round_trip_through_scattered_segments(nbytes, seed):
 
     dst_offset = rng.randint(0, 100)
     dst = bytearray([POISON]) * (dst_offset + nbytes + 64)
-    copy_out(address(arena), segs, address(dst), dst_offset)
+    # back as a GET job copies a chunk's ranges out: one after another into one destination range
+    starts = [dst_offset + sum(n for _, n in segs[:i]) for i in range(len(segs))]
+    copy_out_many(address(arena), [o for o, _ in segs], address(dst), starts, [n for _, n in segs])
     assert dst[dst_offset : dst_offset + nbytes] == payload
     assert dst[:dst_offset] == bytearray([POISON]) * dst_offset
     assert dst[dst_offset + nbytes :] == bytearray([POISON]) * 64
