@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -43,6 +43,14 @@ from .transport import DaemonError, DaemonUnavailable, Transport
 log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 64 * 1024**2
+
+
+class _GroupLimits(NamedTuple):
+    """One offloadable group as the client checks and sizes its chunks."""
+
+    blocks_per_chunk: int
+    blocks: int  # blocks in the KV cache: ids are 0..blocks-1, or -1 (nothing to copy)
+    chunk_nbytes: int
 
 
 class KVTierClient:
@@ -73,8 +81,12 @@ class KVTierClient:
         self._host = host_copies.geometries(self._tables) if self._cuda is None else None
         if self._host is not None:
             host_copies.warm_up()  # compiled here, not inside the first store
-        largest = max((layout.chunk_nbytes(g) for g, ok in enumerate(layout.offloadable) if ok),
-                      default=0)
+        # Per offloadable group, what every call checks or sizes its chunks by: blocks per chunk,
+        # blocks in the KV cache, payload bytes (looked up once here, not per chunk and call).
+        self._groups = {g: _GroupLimits(layout.blocks_per_chunk[g],
+                                        self._tables[g][0].pages.shape[0], layout.chunk_nbytes(g))
+                        for g, ok in enumerate(layout.offloadable) if ok}
+        largest = max((limits.chunk_nbytes for limits in self._groups.values()), default=0)
         self.staging_bytes = staging_bytes or max(DEFAULT_STAGING_BYTES, align(largest) * 2)
         if align(largest) > self.staging_bytes:
             raise ValueError(f"staging_bytes={self.staging_bytes} cannot hold one chunk of "
@@ -156,19 +168,21 @@ class KVTierClient:
         if self._closed.is_set():
             raise RuntimeError("KVTierClient is closed")
         out = list(chunks)
+        groups = self._groups
         for chunk in out:
             g = chunk.group
-            if not 0 <= g < len(self.layout.groups) or not self.layout.offloadable[g]:
+            limits = groups.get(g)
+            if limits is None:
                 raise ValueError(f"chunk group {g} is not an offloadable group of this layout; "
-                                 f"allowed: {[i for i, ok in enumerate(self.layout.offloadable) if ok]}")
-            if len(chunk.block_ids) != self.layout.blocks_per_chunk[g]:
-                raise ValueError(f"group {g}: chunk has {len(chunk.block_ids)} block ids; allowed: "
-                                 f"exactly blocks_per_chunk={self.layout.blocks_per_chunk[g]}")
-            blocks = self._tables[g][0].pages.shape[0]
-            bad = [b for b in chunk.block_ids if b != -1 and not 0 <= b < blocks]
-            if bad:
+                                 f"allowed: {sorted(groups)}")
+            ids = chunk.block_ids
+            if len(ids) != limits.blocks_per_chunk:
+                raise ValueError(f"group {g}: chunk has {len(ids)} block ids; allowed: "
+                                 f"exactly blocks_per_chunk={limits.blocks_per_chunk}")
+            if min(ids) < -1 or max(ids) >= limits.blocks:  # ids are never empty (bpc >= 1)
+                bad = [b for b in ids if b != -1 and not 0 <= b < limits.blocks]
                 raise ValueError(f"group {g}: block ids {bad} are outside the KV cache; allowed: "
-                                 f"0..{blocks - 1} or -1")
+                                 f"0..{limits.blocks - 1} or -1")
         return out
 
     # -- worker-thread side ----------------------------------------------------------------------
@@ -255,11 +269,12 @@ class KVTierClient:
 
     def _pieces(self, chunks: list[Chunk]) -> list[pipeline.Piece]:
         """The call's chunks as staging pieces (``pipeline.plan``), with the session's limits."""
-        total = sum(self.layout.chunk_nbytes(c.group) for c in chunks)
+        groups = self._groups
+        total = sum(groups[c.group].chunk_nbytes for c in chunks)
         target = self._piece_bytes or (
             pipeline.host_piece_target(total, self.staging_bytes) if self._host is not None
             else pipeline.piece_target(total, self.staging_bytes))
-        return pipeline.plan(chunks, lambda c: self.layout.chunk_nbytes(c.group),
+        return pipeline.plan(chunks, lambda c: groups[c.group].chunk_nbytes,
                              self.staging_bytes, target, self._limits.get("max_batch", 1024))
 
     def _depth(self) -> int:
@@ -270,7 +285,8 @@ class KVTierClient:
         return [CopyUnit(c.group, tuple(c.block_ids), off) for c, off in piece.slots]
 
     def _items(self, piece: pipeline.Piece) -> list[list]:
-        return [[c.key, off, self.layout.chunk_nbytes(c.group)] for c, off in piece.slots]
+        groups = self._groups
+        return [[c.key, off, groups[c.group].chunk_nbytes] for c, off in piece.slots]
 
     def _gather(self, units: list[CopyUnit], ready: Any) -> None:
         if self._host is not None:
