@@ -62,12 +62,17 @@ def piece_target(total_bytes: int, staging_bytes: int) -> int:
 
 def host_piece_target(total_bytes: int, staging_bytes: int) -> int:
     """The CPU path's piece (KV caches in host memory): the whole call, or as much of it as the
-    staging buffer holds. There the gather and the daemon's copy share one memory bus: run at once
-    they take as long as one after the other (``benchmarks/client_path.py``'s overlap column:
-    0.93-1.13x), so cutting a call in pieces buys no overlap and costs a round trip and a batch
-    per piece. Measured there (32 MiB calls, 15 rounds per size, sizes alternated): load / ceiling
-    0.62-0.71x with 8 MiB pieces against 0.76-0.84x with one, store 0.47-0.58x against 0.56-0.58x.
-    A GPU gather (DMA into pinned staging) does overlap the daemon's copy: ``piece_target``."""
+    staging buffer holds. There the gather and the daemon's copy share one memory bus and, on a
+    small node, the same cores: cutting a call in pieces costs a round trip and a batch per piece
+    and has not bought overlap. Measured with ``benchmarks/client_path.py`` (32 MiB calls): in
+    November, where the gather and a memcpy run at once took as long as one after the other
+    (its overlap column 0.93-1.13x), load / ceiling 0.62-0.71x with 8 MiB pieces against
+    0.76-0.84x with one, store 0.47-0.58x against 0.56-0.58x; on 3 December, where that column
+    read 1.40-1.64x (two threads do gain on that VM), store at 256 KiB / 2 MiB / 8 MiB chunks
+    0.64 / 0.76 / 0.83x with 8 MiB pieces and 0.53 / 0.64 / 0.76x with 4 MiB ones, against
+    0.72 / 0.86 / 0.79x with one piece, in the same window: the client's gather and the daemon's
+    two copy threads are three busy threads on two cores. A GPU gather (DMA into pinned staging)
+    does overlap the daemon's copy: ``piece_target``."""
     return max(1, min(total_bytes, staging_bytes))
 
 
