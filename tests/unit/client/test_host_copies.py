@@ -93,13 +93,61 @@ def test_consecutive_blocks_of_a_contiguous_cache_become_one_run():
                       blocks_per_chunk=4, tokens_per_hash=16, model="m", dtype="bfloat16")
     whole = rand_bytes(2, 8, 256)  # layer y's blocks follow layer x's
     tables = build_page_tables(layout, {"x": whole[0], "y": whole[1]})
-    staging = torch.empty(layout.chunk_nbytes(0), dtype=torch.uint8)
+    staging = torch.full((layout.chunk_nbytes(0),), POISON, dtype=torch.uint8)
     geo = host_copies.geometries(tables)
-    kv, st, n = host_copies.plan_runs(geo, [CopyUnit(0, (4, 5, 6, 7), 0)], staging)
+    unit = CopyUnit(0, (4, 5, 6, 7), 0)
     # x's blocks 4..7 end where y's block 0 starts, not y's block 4: two runs, each 4 pages
-    assert n.tolist() == [1024, 1024]
-    kv, st, n = host_copies.plan_runs(geo, [CopyUnit(0, (5, 4, -1, 7), 0)], staging)
-    assert len(n) == 6 and sum(n) == 6 * 256
+    assert host_copies.gather(geo, [unit], staging) == 2
+    assert torch.equal(staging, torch.cat([whole[0, 4:8].flatten(), whole[1, 4:8].flatten()]))
+    staging.fill_(POISON)
+    assert host_copies.gather(geo, [CopyUnit(0, (5, 4, -1, 7), 0)], staging) == 6
+    pages = staging.view(2, 4, 256)
+    for layer in range(2):
+        for position, block in enumerate((5, 4, -1, 7)):
+            want = torch.full((256,), POISON, dtype=torch.uint8) if block == -1 else whole[layer, block]
+            assert torch.equal(pages[layer, position], want), (layer, position)
+    poisoned = {n: torch.full_like(t, POISON) for n, t in (("x", whole[0]), ("y", whole[1]))}
+    back = host_copies.geometries(build_page_tables(layout, poisoned))
+    assert host_copies.scatter(back, [unit], torch.cat([whole[0, 4:8].flatten(),
+                                                        whole[1, 4:8].flatten()])) == 2
+    for name, layer in (("x", 0), ("y", 1)):
+        assert torch.equal(poisoned[name][4:8], whole[layer, 4:8])
+        assert torch.all(poisoned[name][:4] == POISON) and torch.all(poisoned[name][8:] == POISON)
+
+
+def test_runs_merge_across_units_and_layers_of_one_allocation():
+    """One allocation whose layers follow each other, units of consecutive blocks laid out back
+    to back: the whole batch is copied by as few memmoves as the geometry allows."""
+    layout = KVLayout(groups=[KVGroup(tokens_per_block=16, page_bytes=256, layer_names=("x",))],
+                      blocks_per_chunk=2, tokens_per_hash=16, model="m", dtype="bfloat16")
+    whole = rand_bytes(8, 256)
+    geo = host_copies.geometries(build_page_tables(layout, {"x": whole}))
+    staging = torch.full((4 * 512,), POISON, dtype=torch.uint8)
+    units = [CopyUnit(0, (2 * i, 2 * i + 1), 512 * i) for i in range(4)]  # blocks 0..7 in order
+    assert host_copies.gather(geo, units, staging) == 1
+    assert torch.equal(staging, whole.flatten())
+
+
+def test_runs_that_continue_in_the_cache_but_not_in_staging_stay_apart():
+    """Blocks next to each other in the cache but not in staging (a -1 between them, or a gap
+    between two units) are two memmoves, each landing at its own staging offset."""
+    layout = KVLayout(groups=[KVGroup(tokens_per_block=16, page_bytes=256, layer_names=("x",))],
+                      blocks_per_chunk=3, tokens_per_hash=16, model="m", dtype="bfloat16")
+    whole = rand_bytes(8, 256)
+    geo = host_copies.geometries(build_page_tables(layout, {"x": whole}))
+    staging = torch.full((2 * 768 + 100,), POISON, dtype=torch.uint8)
+    units = [CopyUnit(0, (2, -1, 3), 0),  # 2 and 3 touch in the cache, not in staging
+             CopyUnit(0, (4, 5, 6), 768 + 100)]  # follows block 3 in the cache, 100 bytes on
+    assert host_copies.gather(geo, units, staging) == 3
+    poison = torch.full((256,), POISON, dtype=torch.uint8)
+    assert torch.equal(staging[:768], torch.cat([whole[2], poison, whole[3]]))
+    assert torch.all(staging[768:868] == POISON)
+    assert torch.equal(staging[868:], whole[4:7].flatten())
+    back = torch.full_like(whole, POISON)
+    geo_back = host_copies.geometries(build_page_tables(layout, {"x": back}))
+    assert host_copies.scatter(geo_back, units, staging) == 3
+    assert torch.equal(back[2:7], whole[2:7])
+    assert torch.all(back[:2] == POISON) and torch.all(back[7:] == POISON)
 
 
 def test_a_unit_outside_the_staging_buffer_is_refused_before_any_copy():
@@ -110,3 +158,11 @@ def test_a_unit_outside_the_staging_buffer_is_refused_before_any_copy():
     with pytest.raises(ValueError, match="leaves the staging buffer"):
         host_copies.gather(geo, [CopyUnit(0, (1, 2, 3), 11)], staging)
     assert torch.all(staging == POISON)
+    # a good unit of group 0 and a bad one of group 1: the check of every group comes first
+    with pytest.raises(ValueError, match="leaves the staging buffer"):
+        host_copies.gather(geo, [CopyUnit(0, (1, 2, 3), 0), CopyUnit(1, (4, 5, 6), 400)], staging)
+    assert torch.all(staging == POISON)
+    before = {n: t.clone() for n, t in kv.items()}
+    with pytest.raises(ValueError, match="leaves the staging buffer"):
+        host_copies.scatter(geo, [CopyUnit(0, (1, 2, 3), 0), CopyUnit(1, (4, 5, 6), 400)], staging)
+    assert all(torch.equal(kv[n], before[n]) for n in kv)
