@@ -62,6 +62,13 @@ def _copy_units() -> Callable[..., int]:
     memmove.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     memmove.restype = ctypes.c_int64
 
+    @numba.njit(nogil=True)
+    def move(kv, st, nbytes, into_staging):  # pragma: no cover - compiled
+        if into_staging:
+            memmove(st, kv, nbytes)
+        else:
+            memmove(kv, st, nbytes)
+
     @numba.njit("int64(int64[:, ::1], int64[::1], int64[::1], int64[::1], int64[::1], "
                 "int64[::1], boolean)", nogil=True)
     def copy(ids, unit_addr, base, stride, page, before, into_staging):  # pragma: no cover
@@ -80,18 +87,12 @@ def _copy_units() -> Callable[..., int]:
                             length += n  # continues the run in both buffers
                         else:
                             if length:
-                                if into_staging:
-                                    memmove(st_run, kv_run, length)
-                                else:
-                                    memmove(kv_run, st_run, length)
+                                move(kv_run, st_run, length, into_staging)
                                 moves += 1
                             kv_run, st_run, length = kv, st, n
                     st += n
         if length:
-            if into_staging:
-                memmove(st_run, kv_run, length)
-            else:
-                memmove(kv_run, st_run, length)
+            move(kv_run, st_run, length, into_staging)
             moves += 1
         return moves
 
