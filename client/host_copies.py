@@ -138,7 +138,7 @@ def _group_arrays(geo: list[GroupGeometry], units: Sequence[CopyUnit], staging: 
         ids = np.array([u.block_ids for u in group_units], dtype=np.int64)  # [U, B]
         offsets = np.array([u.staging_offset for u in group_units], dtype=np.int64)  # [U]
         _check_staging(offsets, ids.shape[1] * geo[g].unit_block_bytes, staging.numel())
-        out.append((geo[g], np.ascontiguousarray(ids), offsets + base))
+        out.append((geo[g], ids, offsets + base))
     return out
 
 

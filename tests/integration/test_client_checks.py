@@ -30,6 +30,15 @@ def chunk(layout: KVLayout, group: int, block_ids: tuple, key: bytes = b"k" * 16
                  nbytes=layout.chunk_nbytes(0))
 
 
+def assert_round_trip(client: KVTierClient, layout: KVLayout, kv: dict, good: Chunk) -> None:
+    """``good`` stores, and loads back byte-exact into poisoned blocks."""
+    expected = chunk_pages(layout, kv, good)
+    assert client.store([good]).result(timeout=30) == [True]
+    poison(kv)
+    assert client.load([good]).result(timeout=30) == [True]
+    assert_chunk_equals(layout, kv, good, expected)
+
+
 @pytest.mark.parametrize("group, block_ids, message", [
     (1, (0, 1), r"chunk group 1 is not an offloadable group of this layout; allowed: \[0\]"),
     (7, (0, 1), r"chunk group 7 is not an offloadable group of this layout; allowed: \[0\]"),
@@ -52,11 +61,7 @@ def test_bad_chunks_are_refused_by_every_call_and_the_client_keeps_working(
             with pytest.raises(ValueError, match=message):
                 call([good, bad])  # refused whole: the good chunk is not stored either
         assert client.lookup([good]) == [False]
-        expected = chunk_pages(layout, kv, good)
-        assert client.store([good]).result(timeout=30) == [True]
-        poison(kv)
-        assert client.load([good]).result(timeout=30) == [True]
-    assert_chunk_equals(layout, kv, good, expected)
+        assert_round_trip(client, layout, kv, good)
     daemon.check()
 
 
@@ -67,9 +72,5 @@ def test_block_id_minus_one_and_the_cache_bounds_are_accepted(daemon):
     edges = chunk(layout, 0, (0, 95), key=b"e" * 16)
     with KVTierClient.connect(daemon.address, layout=layout, kv_caches=kv) as client:
         assert client.lookup([edges, chunk(layout, 0, (-1, 95), key=b"m" * 16)]) == [False, False]
-        expected = chunk_pages(layout, kv, edges)
-        assert client.store([edges]).result(timeout=30) == [True]
-        poison(kv)
-        assert client.load([edges]).result(timeout=30) == [True]
-    assert_chunk_equals(layout, kv, edges, expected)
+        assert_round_trip(client, layout, kv, edges)
     daemon.check()
