@@ -18,6 +18,11 @@ as to another node; ``tests/helpers/mooncake.py``) and, interleaved round by rou
   included.
 * **Mooncake raw + xxh3**: the same gets, each batch's objects hashed as they arrive (what
   kvtierd must do to every object it serves): the ceiling of a client that checks its bytes.
+* **Mooncake as kvtierd**: its client making kvtierd's calls per object: the payload and an
+  ``HEADER_BYTES`` header from a slot elsewhere put as two buffers of one
+  ``batch_put_from_multi_buffers`` entry (Mooncake moves each buffer as a transfer of its own, so
+  the header costs a 256 KiB object a second transfer), the whole object read into one buffer,
+  each payload hashed. The bound of the object format on this machine, by Mooncake's own code.
 * **Lookup latency** for 1 / 64 / 1024 keys (half of them present): the tier's existence-check job
   (names + ``batch_is_exist`` + recording the answer) against the raw ``batch_is_exist``.
 
@@ -49,6 +54,7 @@ from peers import mooncake as peer  # noqa: E402
 
 from kvtierd.config_remote import RemoteConfig  # noqa: E402
 from kvtierd.copy.memcpy import checksum  # noqa: E402
+from kvtierd.remote.objects import HEADER_BYTES  # noqa: E402
 from kvtierd.remote.tier import RemoteTier  # noqa: E402
 from kvtierd.server.chain import split  # noqa: E402
 from kvtierd.sizes import parse_size  # noqa: E402
@@ -165,12 +171,24 @@ def lookup_latency(tier: RemoteTier, client, ns, reps: int) -> list[dict]:
     return rows
 
 
+def _shaped_row(shaped: list[dict], ours: list[dict], raw: list[dict]) -> dict:
+    """Mooncake's client doing kvtierd's calls per object, beside kvtierd and the raw client."""
+    row: dict = {}
+    for way in ("store_gbps", "load_gbps"):
+        row[way] = max(t[way] for t in shaped)
+        row[f"{way[:-5]}_ratio_median"] = statistics.median(
+            o[way] / t[way] for o, t in zip(ours, shaped))
+        row[f"{way[:-5]}_vs_raw_median"] = statistics.median(
+            t[way] / r[way] for t, r in zip(shaped, raw))
+    return row
+
+
 def run(args: argparse.Namespace) -> dict:
     nbytes = parse_size(args.bytes)
     sizes = [] if args.only == "lookup" else list(SIZES)
     if args.only == "lookup":
         nbytes = 4 * 1024**2  # the arena and the store only need room for the lookup's objects
-    region = peer.Region(2 * nbytes)
+    region = peer.Region(peer.region_bytes(nbytes, HEADER_BYTES))
     # the second half holds the read targets, each with a spare page for the trailing header
     arena = Arena(f"kvtierd-bench-remote-{os.getpid()}", 2 * nbytes + nbytes // 2, prefault=True,
                   lock=False)
@@ -185,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
             tier = RemoteTier(cfg, arena, PAGE)
             try:
                 for size in sizes:
-                    raw, ours, checked = [], [], []
+                    raw, ours, checked, shaped = [], [], [], []
                     for r in range(args.rounds):  # interleaved: the machine's noise hits all
                         # and in turns: whichever goes second meets what the first left behind
                         sides = [lambda: raw.append(peer.measure(client, region, size, nbytes,
@@ -193,7 +211,10 @@ def run(args: argparse.Namespace) -> dict:
                                  lambda: ours.append(tier_round(tier, arena, master.ns, size,
                                                                 nbytes, args.io_threads)),
                                  lambda: checked.append(peer.measure(
-                                     client, region, size, nbytes, master.ns, verify=True))]
+                                     client, region, size, nbytes, master.ns, verify=True)),
+                                 lambda: shaped.append(peer.measure(
+                                     client, region, size, nbytes, master.ns, verify=True,
+                                     trailer=HEADER_BYTES))]
                         for side in sides if r % 2 == 0 else sides[::-1]:
                             side()
                     row = {key: {"store_gbps": max(r["store_gbps"] for r in runs),
@@ -213,8 +234,10 @@ def run(args: argparse.Namespace) -> dict:
                         # the bound a verifying reader's fetch ratio meets
                         "vs_raw_median": statistics.median(
                             c["load_gbps"] / r["load_gbps"] for c, r in zip(checked, raw))}
-                    row["rounds"] = [{"mooncake": m, "kvtierd": o, "mooncake_verified": c}
-                                     for m, o, c in zip(raw, ours, checked)]
+                    row["mooncake_shaped"] = _shaped_row(shaped, ours, raw)
+                    row["rounds"] = [{"mooncake": m, "kvtierd": o, "mooncake_verified": c,
+                                      "mooncake_shaped": t}
+                                     for m, o, c, t in zip(raw, ours, checked, shaped)]
                     results["sizes"][str(size)] = row
                 if args.only != "transfers":
                     results["lookup"] = lookup_latency(tier, client, master.ns, args.lookup_reps)
@@ -260,6 +283,17 @@ def _print_transfers(results: dict) -> None:
     print("mooncake + xxh3: its client hashing each batch it got (kvtierd verifies every object "
           "it fetches: the ceiling of a client that checks its bytes); it / mooncake: what the "
           "hashing alone costs that client on this machine")
+    print(f"\n{'chunk':>8} {'way':>6} {'mooncake as kvtierd GB/s':>25} {'it / mooncake':>14} "
+          f"{'kvtierd / it':>13}")
+    for size, row in results["sizes"].items():
+        shaped = row["mooncake_shaped"]
+        for way in ("store", "load"):
+            print(f"{int(size) // 1024:>6}Ki {way:>6} {shaped[way + '_gbps']:>25.2f} "
+                  f"{shaped[way + '_vs_raw_median']:>14.2f} "
+                  f"{shaped[way + '_ratio_median']:>13.2f}")
+    print(f"mooncake as kvtierd: its client making kvtierd's calls per object (payload + a "
+          f"{HEADER_BYTES}-byte header as two put buffers, the whole object read into one "
+          "buffer, xxh3 of each payload); medians of the rounds' own ratios")
 
 
 def main() -> int:

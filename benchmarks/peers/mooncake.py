@@ -36,6 +36,8 @@ from helpers import mooncake as mc  # noqa: E402
 BATCH = 64
 #: Bytes moved per chunk size and round (the store process lends twice this).
 BYTES_PER_SIZE = 256 * 1024**2
+#: A header slot of ``measure(trailer=...)`` (kvtierd's trailer is 84 bytes).
+_SLOT_BYTES = 256
 
 
 class Region:
@@ -68,33 +70,52 @@ def store(workdir: Path, segment_bytes: int) -> Iterator[mc.MooncakeMaster]:
 
 
 def measure(client, region: Region, chunk_bytes: int, nbytes: int, ns, threads: int = 0,
-            verify: bool = False) -> dict:
+            verify: bool = False, trailer: int = 0) -> dict:
     """One round: put ``nbytes`` as chunks of ``chunk_bytes`` from the first half of ``region``,
-    get them into the second half; GB/s each way (bytes verified after the clock stops). With
-    ``threads``, the gets are one key per call on that many threads (the access pattern of
-    kvtierd's promotions, one read job per chunk) instead of batches. With ``verify``, each
-    batch's objects are hashed (xxh3-128, as kvtierd verifies every object it fetches) before the
-    next batch is asked for, inside the clock: the ceiling of a client that checks its bytes."""
+    get them into the second half; GB/s of payload each way (bytes verified after the clock
+    stops). With ``threads``, the gets are one key per call on that many threads (the access
+    pattern of kvtierd's promotions, one read job per chunk) instead of batches. With ``verify``,
+    each batch's payloads are hashed (xxh3-128, as kvtierd verifies every object it fetches)
+    before the next batch is asked for, inside the clock: the ceiling of a client that checks its
+    bytes.
+
+    With ``trailer`` (bytes), each object is stored as kvtierd stores one: its payload and then a
+    trailer kept elsewhere (a header slot at the region's end), put as two buffers of one
+    ``batch_put_from_multi_buffers`` entry, and read back whole into one buffer per object: the
+    same calls and the same transfers as kvtierd's remote tier, by Mooncake's own client."""
     count = max(1, nbytes // chunk_bytes)
+    stride = chunk_bytes + trailer
+    slots = region.nbytes - BATCH * _SLOT_BYTES if trailer else region.nbytes
     half = region.nbytes // 2
-    assert count * chunk_bytes <= half, "region too small"
+    assert count * chunk_bytes <= half and half + count * stride <= slots, "region too small"
+    assert trailer <= _SLOT_BYTES, f"a trailer of {trailer} bytes exceeds a header slot"
     region.view[:count * chunk_bytes] = os.urandom(count * chunk_bytes)
+    if trailer:
+        region.view[slots:] = os.urandom(region.nbytes - slots)
     keys = [f"peer-mooncake/{uuid.uuid4().hex}/{i}" for i in range(count)]
     src = [region.address + i * chunk_bytes for i in range(count)]
-    dst = [region.address + half + i * chunk_bytes for i in range(count)]
-    sizes = [chunk_bytes] * count
-    region.view[half:half + count * chunk_bytes] = b"\xa5" * (count * chunk_bytes)  # poison
+    dst = [region.address + half + i * stride for i in range(count)]
+    sizes = [stride] * count
+    region.view[half:half + count * stride] = b"\xa5" * (count * stride)  # poison
     with ns.entered():
         start = time.perf_counter()
         for i in range(0, count, BATCH):
-            codes = client.batch_put_from(keys[i:i + BATCH], src[i:i + BATCH], sizes[i:i + BATCH])
+            if trailer:
+                codes = client.batch_put_from_multi_buffers(
+                    keys[i:i + BATCH],
+                    [[a, region.address + slots + j * _SLOT_BYTES]
+                     for j, a in enumerate(src[i:i + BATCH])],
+                    [[chunk_bytes, trailer]] * len(src[i:i + BATCH]))
+            else:
+                codes = client.batch_put_from(keys[i:i + BATCH], src[i:i + BATCH],
+                                              sizes[i:i + BATCH])
             assert all(c == 0 for c in codes), codes
         put_s = time.perf_counter() - start
         start = time.perf_counter()
         if threads:
             def one(i: int) -> None:
                 with ns.entered():
-                    assert client.get_into(keys[i], dst[i], chunk_bytes) == chunk_bytes
+                    assert client.get_into(keys[i], dst[i], stride) == stride
 
             with concurrent.futures.ThreadPoolExecutor(threads) as pool:
                 list(pool.map(one, range(count)))
@@ -102,17 +123,33 @@ def measure(client, region: Region, chunk_bytes: int, nbytes: int, ns, threads: 
             for i in range(0, count, BATCH):
                 codes = client.batch_get_into(keys[i:i + BATCH], dst[i:i + BATCH],
                                               sizes[i:i + BATCH])
-                assert all(c == chunk_bytes for c in codes), codes
+                assert all(c == stride for c in codes), codes
                 if verify:
                     for j in range(i, min(i + BATCH, count)):
-                        offset = half + j * chunk_bytes
+                        offset = half + j * stride
                         xxhash.xxh3_128_digest(region.view[offset:offset + chunk_bytes])
         get_s = time.perf_counter() - start
         client.batch_remove(keys, True)
     total = count * chunk_bytes
-    assert region.view[half:half + total] == region.view[:total], "Mooncake returned other bytes"
+    got = region.view[half:half + count * stride]
+    if trailer:
+        for i in range(count):
+            assert got[i * stride:i * stride + chunk_bytes] == region.view[
+                i * chunk_bytes:(i + 1) * chunk_bytes], f"Mooncake returned other bytes ({i})"
+            assert got[i * stride + chunk_bytes:(i + 1) * stride] == region.view[
+                slots + (i % BATCH) * _SLOT_BYTES:][:trailer], f"other trailer bytes ({i})"
+    else:
+        assert got == region.view[:total], "Mooncake returned other bytes"
     return {"chunk_bytes": chunk_bytes, "chunks": count, "bytes": total,
             "store_gbps": total / put_s / 1e9, "load_gbps": total / get_s / 1e9}
+
+
+def region_bytes(nbytes: int, trailer: int = 0) -> int:
+    """The ``Region`` size ``measure`` needs for ``nbytes`` a round (room for the trailers and
+    the header slots when ``trailer``)."""
+    if not trailer:
+        return 2 * nbytes
+    return 2 * nbytes + nbytes // 2 + BATCH * _SLOT_BYTES
 
 
 def connect(master: mc.MooncakeMaster, region: Region):

@@ -31,10 +31,15 @@ def test_remote_tier_benchmark_quick(tmp_path: Path) -> None:
         assert {"store_ratio", "load_ratio", "store_ratio_median", "load_ratio_median"} <= set(row)
         assert row["mooncake_verified"]["load_gbps"] > 0
         assert row["mooncake_verified"]["vs_raw_median"] > 0
+        shaped = row["mooncake_shaped"]
+        for way in ("store", "load"):
+            assert shaped[f"{way}_gbps"] > 0 and shaped[f"{way}_ratio_median"] > 0
+            assert shaped[f"{way}_vs_raw_median"] > 0
         assert len(row["rounds"]) == results["rounds"]
     assert [r["keys"] for r in results["lookup"]] == [1, 64, 1024]
     assert "median of rounds" in done.stdout and "lookup keys" in done.stdout
     assert "mooncake + xxh3" in done.stdout and "it / mooncake, median" in done.stdout
+    assert "mooncake as kvtierd" in done.stdout
 
 
 def test_mooncake_peer_rows(tmp_path: Path) -> None:
