@@ -171,15 +171,19 @@ def lookup_latency(tier: RemoteTier, client, ns, reps: int) -> list[dict]:
     return rows
 
 
+def _median_ratio(tops: list[dict], bottoms: list[dict], way: str) -> float:
+    """The median of each round's own ratio ``tops[i][way] / bottoms[i][way]`` (both sides
+    seconds apart: steadier than a ratio of bests when other work comes and goes)."""
+    return statistics.median(t[way] / b[way] for t, b in zip(tops, bottoms))
+
+
 def _shaped_row(shaped: list[dict], ours: list[dict], raw: list[dict]) -> dict:
     """Mooncake's client doing kvtierd's calls per object, beside kvtierd and the raw client."""
     row: dict = {}
     for way in ("store_gbps", "load_gbps"):
         row[way] = max(t[way] for t in shaped)
-        row[f"{way[:-5]}_ratio_median"] = statistics.median(
-            o[way] / t[way] for o, t in zip(ours, shaped))
-        row[f"{way[:-5]}_vs_raw_median"] = statistics.median(
-            t[way] / r[way] for t, r in zip(shaped, raw))
+        row[f"{way[:-5]}_ratio_median"] = _median_ratio(ours, shaped, way)
+        row[f"{way[:-5]}_vs_raw_median"] = _median_ratio(shaped, raw, way)
     return row
 
 
@@ -224,16 +228,13 @@ def run(args: argparse.Namespace) -> dict:
                         row[f"{way[:-5]}_ratio"] = row["kvtierd"][way] / row["mooncake"][way]
                         # each round's own ratio (both sides seconds apart): steadier than the
                         # ratio of bests when other work comes and goes on the machine
-                        row[f"{way[:-5]}_ratio_median"] = statistics.median(
-                            o[way] / r[way] for o, r in zip(ours, raw))
+                        row[f"{way[:-5]}_ratio_median"] = _median_ratio(ours, raw, way)
                     row["mooncake_verified"] = {
                         "load_gbps": max(c["load_gbps"] for c in checked),
-                        "load_ratio_median": statistics.median(
-                            o["load_gbps"] / c["load_gbps"] for o, c in zip(ours, checked)),
+                        "load_ratio_median": _median_ratio(ours, checked, "load_gbps"),
                         # what hashing every object costs Mooncake's own client on this machine:
                         # the bound a verifying reader's fetch ratio meets
-                        "vs_raw_median": statistics.median(
-                            c["load_gbps"] / r["load_gbps"] for c, r in zip(checked, raw))}
+                        "vs_raw_median": _median_ratio(checked, raw, "load_gbps")}
                     row["mooncake_shaped"] = _shaped_row(shaped, ours, raw)
                     row["rounds"] = [{"mooncake": m, "kvtierd": o, "mooncake_verified": c,
                                       "mooncake_shaped": t}
