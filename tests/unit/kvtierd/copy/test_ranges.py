@@ -88,10 +88,13 @@ def check_copy_in(rng: random.Random, srcs: list[int], dsts: list[int], size: in
 
 
 PIECE = memcpy.PIECE_BYTES
+HASH_PIECE = memcpy.HASH_PIECE_BYTES
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 17, 240, 241, 4096, 16384 + 3, PIECE, PIECE + 1,
-                                    2 * PIECE, 3 * PIECE + 17])  # past PIECE: streamed by pieces
+@pytest.mark.parametrize("nbytes", [0, 1, 17, 240, 241, HASH_PIECE - 1, HASH_PIECE,
+                                    HASH_PIECE + 1, 3 * HASH_PIECE + 17, 16384 + 3, PIECE,
+                                    PIECE + 1, 2 * PIECE, 3 * PIECE + 17])
+# past HASH_PIECE: compiled, streamed by pieces; past PIECE: by pieces in Python as well
 def test_copy_in_ranges_matches_the_ctypes_reference(nbytes):
     rng = random.Random(nbytes)
     srcs, dsts, size = scattered_job(rng, 37 if nbytes <= PIECE else 5, nbytes)
@@ -120,11 +123,12 @@ def test_copy_in_of_a_chunk_longer_than_a_piece(monkeypatch, stream, segments):
     assert dst == expected
 
 
-def test_copy_in_ranges_without_the_streaming_exports_hashes_in_python(monkeypatch):
+@pytest.mark.parametrize("nbytes", [16384 + 3, 2 * PIECE + 5])  # one-shot hashes; Python pieces
+def test_copy_in_ranges_without_the_streaming_exports(monkeypatch, nbytes):
     monkeypatch.setattr(memcpy, "_XXH3_STREAM", None)
-    rng = random.Random(77)
-    srcs, dsts, size = scattered_job(rng, 4, 2 * PIECE + 5)
-    check_copy_in(rng, srcs, dsts, size, 2 * PIECE + 5)
+    rng = random.Random(77 + nbytes)
+    srcs, dsts, size = scattered_job(rng, 4, nbytes)
+    check_copy_in(rng, srcs, dsts, size, nbytes)
 
 
 @pytest.mark.parametrize("largest", [16384, memcpy.PIECE_BYTES + 1])  # the latter: by pieces
