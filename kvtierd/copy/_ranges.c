@@ -3,7 +3,9 @@
  * Why: a PUT or GET job of small chunks made one ctypes.memmove (and, for a PUT, one xxhash call)
  * per chunk, each releasing and retaking the GIL: two hand-offs per 16 KiB chunk between a copy
  * thread and the request loop, which bounded small chunks at a quarter of memcpy's speed. Here the
- * offsets are read with the GIL held, then the whole job runs with it released, once.
+ * offsets are read with the GIL held, then the whole job runs with it released, once. A PUT's
+ * chunks are copied by pieces with streaming stores (copy_streaming), each piece hashed from the
+ * source's lines the copy has just read: the arena's lines are never read in to be overwritten.
  *
  * The checksum is xxhash's own XXH3_128bits, reached through the address of the function that the
  * `xxhash` package's extension exports (kvtierd.copy.memcpy looks it up and checks it against
@@ -16,6 +18,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* XXH128_hash_t's layout (xxhash.h): the low half first. Returned in registers on x86-64 and
  * aarch64, as any 16-byte struct of two integers. */
@@ -143,14 +148,64 @@ static Py_ssize_t job_offsets(PyObject *dsts, PyObject *srcs, PyObject *sizes, P
     return n;
 }
 
-/* memmove length bytes from `from` to `to` piece by piece, each piece fed to the hash state right
- * after its copy (still in cache). Runs without the GIL. */
+/* Copy n bytes with non-temporal (streaming) stores where the CPU has them: the destination's
+ * lines are written without first being read into the cache (a plain store reads each line it
+ * fills), so a PUT moves its bytes across the memory bus twice instead of three times, and leaves
+ * the cache to the bytes read next. Measured here (Zen 3, 2 cores): 4 KiB pieces streamed from
+ * L1-hot bytes, then hashed, ran at 1.1-1.3x of glibc's memcpy of the same 64 MiB; memmove then a
+ * hash of the destination at 0.9x. The head up to the first 16-byte boundary of the destination and
+ * the tail below 64 bytes go through memcpy. The caller fences (store_fence) before the job ends.
+ * The two ranges must not overlap. */
+static void copy_streaming(char *to, const char *from, size_t n) {
+#if defined(__SSE2__)
+    size_t head = (size_t)(-(uintptr_t)to & 15);
+    if (head > n) {
+        head = n;
+    }
+    memcpy(to, from, head);
+    size_t i = head;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(from + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(from + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(from + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(from + i + 48));
+        _mm_stream_si128((__m128i *)(to + i), a);
+        _mm_stream_si128((__m128i *)(to + i + 16), b);
+        _mm_stream_si128((__m128i *)(to + i + 32), c);
+        _mm_stream_si128((__m128i *)(to + i + 48), d);
+    }
+    memcpy(to + i, from + i, n - i);
+#else
+    memcpy(to, from, n);
+#endif
+}
+
+/* Streaming stores are weakly ordered: fence them before the job reports done, so that whoever
+ * reads the destination after the job's completion sees every byte. */
+static void store_fence(void) {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
+/* Copy length bytes from `from` to `to` piece by piece, each piece fed to the hash state right after
+ * its copy, from the source's lines that the copy just brought into L1. Runs without the GIL.
+ * The digest is of the bytes as the copy read them; a client that rewrites its staging during its
+ * own PUT (which the protocol forbids) can make a chunk whose digest does not match its arena
+ * bytes, and such a chunk fails its next verification (a miss, counted), never reaching a reader
+ * as valid. Overlapping ranges (never a PUT's: staging and arena are two mappings) are one
+ * memmove, then hashed at the destination. */
 static void copy_update(const xxh3_stream *stream, void *state, char *to, const char *from,
                         size_t length, size_t piece) {
+    if (to < from + length && from < to + length) {
+        memmove(to, from, length);
+        stream->update(state, to, length);
+        return;
+    }
     for (size_t done = 0; done < length; done += piece) {
         size_t part = length - done < piece ? length - done : piece;
-        memmove(to + done, from + done, part);
-        stream->update(state, to + done, part);
+        copy_streaming(to + done, from + done, part);
+        stream->update(state, from + done, part);
     }
 }
 
@@ -261,10 +316,12 @@ PyDoc_STRVAR(copy_hash_chunks_doc,
 "copy_hash_chunks(dst_address, dsts, src_address, srcs, sizes, counts, xxh3_128_address,\n"
 "                 piece_bytes, stream) -> list[bytes]\n"
 "--\n\n"
-"copy_hash_many of chunks made of several ranges: chunk j is the next counts[j] ranges (memmove\n"
+"copy_hash_many of chunks made of several ranges: chunk j is the next counts[j] ranges (copy\n"
 "sizes[i] bytes from src_address + srcs[i] to dst_address + dsts[i]), hashed as one payload in\n"
-"range order, piece by piece with stream; a chunk of one range of at most piece_bytes is hashed\n"
-"in one call at xxh3_128_address. One canonical digest per chunk. The GIL is released once.");
+"range order, piece by piece with stream, each piece copied with streaming stores and hashed\n"
+"from the source's just-read lines; a chunk of one range of at most piece_bytes is memmoved and\n"
+"hashed in one call at xxh3_128_address. One canonical digest per chunk. The GIL is released\n"
+"once.");
 
 static PyObject *copy_hash_chunks(PyObject *self, PyObject *args) {
     unsigned long long dst_address, src_address, hash_address;
@@ -338,6 +395,7 @@ static PyObject *copy_hash_chunks(PyObject *self, PyObject *args) {
         }
         canonical(&h, digests + j * DIGEST_BYTES);
     }
+    store_fence();
     Py_END_ALLOW_THREADS
     stream.free(state);
     PyMem_Free(counts);

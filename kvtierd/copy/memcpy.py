@@ -27,11 +27,13 @@ from kvtierd import xxhash_exports
 #: the calls.
 PIECE_BYTES = 256 * 1024  # measured best of 64 KiB..2 MiB here
 
-#: Piece size of the compiled copy-and-hash (no Python per piece): each 4 KiB piece is hashed from
-#: L1 right after its memmove. Measured here, copying 64 MiB of chunks between two buffers, against
-#: one memmove per chunk then one hash of it: 16 KiB chunks 0.87x of a bare copy against 0.84x,
-#: 64 KiB 0.91-0.92x against 0.82x, 256 KiB 0.88-0.95x against 0.75-0.81x, 2 MiB 0.91x against
-#: 0.85x (256 KiB pieces); 2 KiB pieces fell to 0.55-0.6x (xxHash's streaming cost per update).
+#: Piece size of the compiled copy-and-hash (no Python per piece): each 4 KiB piece is copied with
+#: streaming stores and hashed from the source's lines the copy just read into L1. Measured here,
+#: copying 64 MiB of chunks between two buffers, against one memmove per chunk then one hash of its
+#: destination: with memmoved pieces 16 KiB chunks 0.87x of a bare memmove against 0.84x, 64 KiB
+#: 0.91-0.92x against 0.82x, 256 KiB 0.88-0.95x against 0.75-0.81x, 2 MiB 0.91x against 0.85x
+#: (256 KiB pieces); with streamed pieces 1.0-1.2x of a bare memmove; 2 KiB pieces fell to
+#: 0.55-0.6x (xxHash's streaming cost per update).
 HASH_PIECE_BYTES = 4096
 
 _memmove = ctypes.memmove

@@ -269,3 +269,38 @@ def test_chunk_counts_that_do_not_cover_the_job_are_refused(counts, message):
         memcpy._ranges.copy_hash_chunks(address(buf), [0, 4], address(buf), [0, 4], [1, 1],
                                         counts, memcpy._XXH3_128, PIECE, memcpy._XXH3_STREAM)
     assert buf == bytearray([POISON]) * 8
+
+
+@pytest.mark.parametrize("dst_shift", range(0, 17))  # every head before the first 16-byte line
+@pytest.mark.parametrize("nbytes", [HASH_PIECE + 1, 2 * HASH_PIECE + 63, 3 * HASH_PIECE - 15])
+def test_streaming_stores_write_exactly_the_range_at_any_alignment(dst_shift, nbytes):
+    """The streamed copy's memcpy'd head and tail and its 64-byte body meet exactly: every byte of
+    the range arrives, none outside it moves, and the digest is the source's."""
+    rng = random.Random(dst_shift * 7 + nbytes)
+    src = bytearray(rng.randbytes(nbytes + 64))
+    dst = bytearray([POISON]) * (nbytes + 128)
+    src_at = rng.randrange(0, 33)
+    got = memcpy._ranges.copy_hash_chunks(address(dst), [dst_shift], address(src), [src_at],
+                                          [nbytes], [1], memcpy._XXH3_128, HASH_PIECE,
+                                          memcpy._XXH3_STREAM)
+    assert got == [xxhash.xxh3_128_digest(src[src_at:src_at + nbytes])]
+    expected = bytearray([POISON]) * len(dst)
+    expected[dst_shift:dst_shift + nbytes] = src[src_at:src_at + nbytes]
+    assert dst == expected
+
+
+@pytest.mark.parametrize("shift", [-4099, -1, 1, 4097])
+def test_overlapping_ranges_are_one_memmove(shift):
+    """Never a PUT's (staging and arena are two mappings), but a job whose source and destination
+    overlap still moves the bytes as memmove does and hashes what it wrote."""
+    rng = random.Random(shift)
+    nbytes = 3 * HASH_PIECE + 5
+    buf = bytearray(rng.randbytes(nbytes + 2 * 4099))
+    src_at = 4099
+    want = bytearray(buf)
+    want[src_at + shift:src_at + shift + nbytes] = buf[src_at:src_at + nbytes]
+    got = memcpy._ranges.copy_hash_chunks(address(buf), [src_at + shift], address(buf), [src_at],
+                                          [nbytes], [1], memcpy._XXH3_128, HASH_PIECE,
+                                          memcpy._XXH3_STREAM)
+    assert buf == want
+    assert got == [xxhash.xxh3_128_digest(want[src_at + shift:src_at + shift + nbytes])]
