@@ -188,6 +188,13 @@ static void store_fence(void) {
 #endif
 }
 
+/* copy_streaming of one range, fenced: for compiled callers outside this module, reached by the
+ * address streaming_copy_address() returns (the client's gather into staging). */
+static void copy_streaming_fenced(char *to, const char *from, size_t n) {
+    copy_streaming(to, from, n);
+    store_fence();
+}
+
 /* Copy length bytes from `from` to `to` piece by piece, each piece fed to the hash state right after
  * its copy, from the source's lines that the copy just brought into L1. Runs without the GIL.
  * The digest is of the bytes as the copy read them; a client that rewrites its staging during its
@@ -407,7 +414,18 @@ static PyObject *copy_hash_chunks(PyObject *self, PyObject *args) {
     return out;
 }
 
+PyDoc_STRVAR(streaming_copy_address_doc,
+"streaming_copy_address() -> int\n--\n\n"
+"The address of void copy(void *dst, const void *src, size_t n): n bytes copied with streaming\n"
+"stores where the CPU has them (memcpy elsewhere), fenced before it returns. The ranges must not\n"
+"overlap.");
+
+static PyObject *streaming_copy_address(PyObject *self, PyObject *unused) {
+    return PyLong_FromVoidPtr((void *)&copy_streaming_fenced);
+}
+
 static PyMethodDef methods[] = {
+    {"streaming_copy_address", streaming_copy_address, METH_NOARGS, streaming_copy_address_doc},
     {"copy_many", copy_many, METH_VARARGS, copy_many_doc},
     {"copy_hash_many", copy_hash_many, METH_VARARGS, copy_hash_many_doc},
     {"copy_hash_chunks", copy_hash_chunks, METH_VARARGS, copy_hash_chunks_doc},

@@ -1,5 +1,6 @@
 """The memmove fast path for CPU tensors, checked byte for byte against the torch reference."""
 
+import ctypes
 import random
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from kvtier_client import host_copies
 from kvtier_client.copies import CopyUnit, build_page_tables, gather, scatter
 from kvtier_client.layout import KVGroup, KVLayout
+from kvtierd.copy import _ranges
 
 GEN = torch.Generator().manual_seed(11)
 POISON = 0xAB
@@ -166,3 +168,38 @@ def test_a_unit_outside_the_staging_buffer_is_refused_before_any_copy():
     with pytest.raises(ValueError, match="leaves the staging buffer"):
         host_copies.scatter(geo, [CopyUnit(0, (1, 2, 3), 0), CopyUnit(1, (4, 5, 6), 400)], staging)
     assert all(torch.equal(kv[n], before[n]) for n in kv)
+
+
+def test_the_gather_copies_with_the_daemons_streaming_stores_where_built():
+    copy = host_copies._streaming_copy()
+    assert ctypes_address(copy) == _ranges.streaming_copy_address()  # the build is in place
+    src = bytearray(random.Random(3).randbytes(3 * 4096 + 77))
+    dst = bytearray([POISON]) * (len(src) + 40)
+    copy(address_of(dst) + 5, address_of(src) + 3, len(src) - 3)
+    assert dst == bytes([POISON]) * 5 + src[3:] + bytes([POISON]) * 38
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gather_of_pages_past_a_streamed_line_equals_the_reference(seed):
+    """Pages long enough for the streaming body, at staging offsets off every 16-byte line."""
+    rng = random.Random(500 + seed)
+    layout = KVLayout(
+        groups=[KVGroup(tokens_per_block=16, page_bytes=(4099, 200, 8192),
+                        layer_names=("a0", "a1", "a2"))],
+        blocks_per_chunk=rng.choice((1, 2, 3)), tokens_per_hash=16, model="m", dtype="bfloat16")
+    kv = caches(layout, blocks=10, row=8192 + 64)
+    tables = build_page_tables(layout, kv)
+    units, end = random_units(layout, rng, 7, 10)
+    want = torch.full((end + 64,), POISON, dtype=torch.uint8)
+    got = want.clone()
+    gather(tables, units, want)
+    host_copies.gather(host_copies.geometries(tables), units, got)
+    assert torch.equal(got, want)
+
+
+def ctypes_address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def address_of(buf: bytearray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
