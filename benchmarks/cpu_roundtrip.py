@@ -5,6 +5,9 @@
 * PUT / GET GB/s through a real daemon for 16 KiB, 64 KiB, 256 KiB, 2 MiB and 16 MiB chunks
   (staging already filled; one batched request per 64 MiB, at most ``max_batch`` items), against
   (a) a plain single-threaded memcpy of the same bytes into pre-faulted memory (the ceiling), and
+      beside it the same loop calling the daemon's own streaming-store copy instead of memmove
+      (``stream``: glibc's memmove stores through the cache here, so a PUT, which streams, can
+      pass the memcpy ceiling; this column says by how much the copy alone would), and
   (b) a real ``redis-server`` on a unix socket doing pipelined SET/GET of the same sizes (the peer:
       LMCache uses Redis as a backend). Needs the ``redis-server`` binary and the ``redis`` package
       (``pip install -e '.[bench]'``); without them that column is skipped, with a note.
@@ -97,8 +100,20 @@ def bench_daemon_io(session: Session, size: int, rounds: int, batch_bytes: int
     return total * rounds / put_s / 1e9, total * rounds / get_s / 1e9
 
 
-def bench_memcpy(size: int, rounds: int, batch_bytes: int) -> float:
-    """The ceiling: one ``memmove`` per chunk of the same size and count as the daemon's batch."""
+def streaming_copy():
+    """The daemon's streaming-store copy (``kvtierd.copy._ranges``) as a ctypes function with
+    memmove's arguments, or None where the extension was not built."""
+    try:
+        from kvtierd.copy import _ranges
+    except ImportError:
+        return None
+    return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+        _ranges.streaming_copy_address())
+
+
+def bench_memcpy(size: int, rounds: int, batch_bytes: int, copy=ctypes.memmove) -> float:
+    """The ceiling: one ``memmove`` (or ``copy``) per chunk of the same size and count as the
+    daemon's batch."""
     count = item_count(size, batch_bytes)
     src = mmap.mmap(-1, count * size)
     dst = mmap.mmap(-1, count * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
@@ -109,7 +124,7 @@ def bench_memcpy(size: int, rounds: int, batch_bytes: int) -> float:
     for _ in range(rounds):
         t0 = time.perf_counter()
         for i in range(count):
-            ctypes.memmove(d + i * size, s + i * size, size)
+            copy(d + i * size, s + i * size, size)
         best = max(best, count * size / (time.perf_counter() - t0) / 1e9)
     return best
 
@@ -238,12 +253,17 @@ def main() -> int:
     proc, address = start_daemon(workdir, "64MiB" if args.quick else "1GiB", args.nvme_bytes)
     redis_handle, redis_note = (None, "--quick") if args.quick else start_redis(workdir)
     results: dict = {"sizes": {}, "notes": [], "quick": args.quick, "nvme_bytes": args.nvme_bytes}
+    stream = streaming_copy()
+    if stream is None:
+        results["notes"].append("stream skipped: kvtierd.copy._ranges is not built")
     try:
         session = Session(address, batch_bytes)
         for label, size in sizes.items():
             # memcpy right before the daemon, per size: the ceiling of the same moment.
             row = {"memcpy_gbs": bench_memcpy(size, rounds, batch_bytes),
                    "items_per_request": item_count(size, batch_bytes)}
+            if stream is not None:
+                row["stream_gbs"] = bench_memcpy(size, rounds, batch_bytes, stream)
             row["put_gbs"], row["get_gbs"] = bench_daemon_io(session, size, rounds, batch_bytes)
             row["put_ratio"] = row["put_gbs"] / row["memcpy_gbs"]
             row["get_ratio"] = row["get_gbs"] / row["memcpy_gbs"]
@@ -272,10 +292,13 @@ def main() -> int:
 
 def print_table(r: dict) -> None:
     print(f"{'chunk':<8}{'PUT GB/s':>10}{'GET GB/s':>10}{'memcpy':>9}{'PUT/mc':>8}{'GET/mc':>8}"
+          f"{'stream':>8}{'PUT/st':>8}"
           f"{'redis SET':>11}{'redis GET':>11}{'PUT/SET':>9}{'GET/GET':>9}")
     for label, row in r["sizes"].items():
         line = (f"{label:<8}{row['put_gbs']:>10.2f}{row['get_gbs']:>10.2f}{row['memcpy_gbs']:>9.2f}"
                 f"{row['put_gbs'] / row['memcpy_gbs']:>7.2f}x{row['get_gbs'] / row['memcpy_gbs']:>7.2f}x")
+        line += (f"{row['stream_gbs']:>8.2f}{row['put_gbs'] / row['stream_gbs']:>7.2f}x"
+                 if "stream_gbs" in row else f"{'-':>8}{'-':>8}")
         if "redis_set_gbs" in row:
             line += (f"{row['redis_set_gbs']:>11.2f}{row['redis_get_gbs']:>11.2f}"
                      f"{row['put_gbs'] / row['redis_set_gbs']:>8.1f}x"
