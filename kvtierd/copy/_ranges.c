@@ -188,6 +188,20 @@ static void store_fence(void) {
 #endif
 }
 
+/* One range of a GET job (arena -> staging), streamed: the client's scatter reads staging next,
+ * from another core, so keeping the lines in this core's cache buys nothing, and not reading them
+ * in first saves a third of the bus traffic. Measured here, 4 runs alternating with memmove:
+ * cpu_roundtrip GET / memcpy 1.03-2.14x against 0.87-1.31x, client_path load / ceiling
+ * 1.00-1.20x against 0.88-1.07x. Overlapping ranges (never a GET's) are one memmove. The caller
+ * fences. */
+static void copy_range(char *to, const char *from, size_t n) {
+    if (to < from + n && from < to + n) {
+        memmove(to, from, n);
+    } else {
+        copy_streaming(to, from, n);
+    }
+}
+
 /* copy_streaming of one range, fenced: for compiled callers outside this module, reached by the
  * address streaming_copy_address() returns (the client's gather into staging). */
 static void copy_streaming_fenced(char *to, const char *from, size_t n) {
@@ -233,8 +247,9 @@ static PyObject *digest_list(const unsigned char *digests, Py_ssize_t n) {
 
 PyDoc_STRVAR(copy_many_doc,
 "copy_many(dst_address, dsts, src_address, srcs, sizes)\n--\n\n"
-"memmove sizes[i] bytes from src_address + srcs[i] to dst_address + dsts[i], for every i, in\n"
-"one call that holds the GIL only to read the lists.");
+"Copy sizes[i] bytes from src_address + srcs[i] to dst_address + dsts[i], for every i, in one\n"
+"call that holds the GIL only to read the lists: with streaming stores, or as memmove where a\n"
+"range's source and destination overlap.");
 
 static PyObject *copy_many(PyObject *self, PyObject *args) {
     unsigned long long dst_address, src_address;
@@ -252,8 +267,9 @@ static PyObject *copy_many(PyObject *self, PyObject *args) {
     const char *from = (const char *)(uintptr_t)src_address;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        memmove(to + dst[i], from + src[i], (size_t)size[i]);
+        copy_range(to + dst[i], from + src[i], (size_t)size[i]);
     }
+    store_fence();
     Py_END_ALLOW_THREADS
     PyMem_Free(dst);
     PyMem_Free(src);

@@ -11,7 +11,8 @@ instead of one release (two for a PUT: memmove, then xxh3) per chunk. There a PU
 one range or several (a fragmented arena), are copied and hashed by ``HASH_PIECE_BYTES`` pieces
 with xxHash's streaming functions, each piece hashed from L1 (``copy_in_chunks``: one GIL release
 per job instead of two per piece; two copy threads PUTting 2 MiB chunks fought over the GIL 16
-times a chunk). ``NATIVE`` says which runs.
+times a chunk). A GET job's ranges are written with streaming stores as well (``copy_out_many``):
+the client reads staging next, from its own core. ``NATIVE`` says which runs.
 """
 
 from __future__ import annotations

@@ -304,3 +304,29 @@ def test_overlapping_ranges_are_one_memmove(shift):
                                           memcpy._XXH3_STREAM)
     assert buf == want
     assert got == [xxhash.xxh3_128_digest(want[src_at + shift:src_at + shift + nbytes])]
+
+
+@pytest.mark.parametrize("dst_shift", [0, 1, 7, 15, 16])
+@pytest.mark.parametrize("nbytes", [63, 64, 65, 4096 + 17])
+def test_copy_many_streams_exactly_the_ranges_at_any_alignment(dst_shift, nbytes):
+    rng = random.Random(dst_shift * 131 + nbytes)
+    src = bytearray(rng.randbytes(3 * nbytes + 50))
+    dst = bytearray([POISON]) * (3 * nbytes + 200)
+    dsts = [dst_shift, nbytes + 40 + dst_shift, 2 * nbytes + 90 + dst_shift]
+    srcs = [5, nbytes + 9, 2 * nbytes + 30]
+    memcpy._ranges.copy_many(address(dst), dsts, address(src), srcs, [nbytes] * 3)
+    expected = bytearray([POISON]) * len(dst)
+    for d, s in zip(dsts, srcs):
+        expected[d:d + nbytes] = src[s:s + nbytes]
+    assert dst == expected
+
+
+@pytest.mark.parametrize("shift", [-4099, -1, 1, 4097])
+def test_copy_many_of_overlapping_ranges_is_memmove(shift):
+    rng = random.Random(shift + 9)
+    nbytes = 3 * HASH_PIECE + 5
+    buf = bytearray(rng.randbytes(nbytes + 2 * 4099))
+    want = bytearray(buf)
+    want[4099 + shift:4099 + shift + nbytes] = buf[4099:4099 + nbytes]
+    memcpy._ranges.copy_many(address(buf), [4099 + shift], address(buf), [4099], [nbytes])
+    assert buf == want
