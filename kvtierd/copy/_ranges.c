@@ -209,13 +209,13 @@ static void copy_streaming_fenced(char *to, const char *from, size_t n) {
     store_fence();
 }
 
-/* Copy length bytes from `from` to `to` piece by piece, each piece fed to the hash state right after
- * its copy, from the source's lines that the copy just brought into L1. Runs without the GIL.
+/* Copy length bytes from `from` to `to` piece by piece, each piece fed to the hash state right
+ * after its copy, from the source's lines that the copy just brought into L1. Runs without the GIL.
  * The digest is of the bytes as the copy read them; a client that rewrites its staging during its
  * own PUT (which the protocol forbids) can make a chunk whose digest does not match its arena
  * bytes, and the chunk's next check (a promotion from NVMe, a remote fetch, the first read after a
- * warm restart) counts and drops it as a miss. Overlapping ranges (never a PUT's: staging and arena are two mappings) are one
- * memmove, then hashed at the destination. */
+ * warm restart) counts and drops it as a miss. Overlapping ranges (never a PUT's: staging and
+ * arena are two mappings) are one memmove, then hashed at the destination. */
 static void copy_update(const xxh3_stream *stream, void *state, char *to, const char *from,
                         size_t length, size_t piece) {
     if (to < from + length && from < to + length) {
