@@ -50,6 +50,15 @@ def random_units(layout, rng, count, blocks, minus_one=True):
     return units, offset
 
 
+def check_gather(tables, units, end):
+    """The fast gather and the torch reference fill poisoned staging with the same bytes."""
+    want = torch.full((end + 64,), POISON, dtype=torch.uint8)
+    got = want.clone()
+    gather(tables, units, want)
+    host_copies.gather(host_copies.geometries(tables), units, got)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("seed", range(6))
 def test_gather_equals_the_reference_byte_for_byte(seed, shared):
@@ -58,11 +67,7 @@ def test_gather_equals_the_reference_byte_for_byte(seed, shared):
     kv = caches(layout, shared=shared)
     tables = build_page_tables(layout, kv)
     units, end = random_units(layout, rng, 9, 12)
-    want = torch.full((end + 64,), POISON, dtype=torch.uint8)
-    got = want.clone()
-    gather(tables, units, want)
-    host_copies.gather(host_copies.geometries(tables), units, got)
-    assert torch.equal(got, want)
+    check_gather(tables, units, end)
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -190,11 +195,7 @@ def test_gather_of_pages_past_a_streamed_line_equals_the_reference(seed):
     kv = caches(layout, blocks=10, row=8192 + 64)
     tables = build_page_tables(layout, kv)
     units, end = random_units(layout, rng, 7, 10)
-    want = torch.full((end + 64,), POISON, dtype=torch.uint8)
-    got = want.clone()
-    gather(tables, units, want)
-    host_copies.gather(host_copies.geometries(tables), units, got)
-    assert torch.equal(got, want)
+    check_gather(tables, units, end)
 
 
 def ctypes_address(fn) -> int:
