@@ -29,9 +29,10 @@ real tier, measured on the same accesses, so the three numbers compare directly.
 ghosts are plain LRU filled to 100 %, while the real tier keeps leased chunks and evicts down to its
 low watermark.
 
-Memory: a ghost entry costs about 140 bytes (an ``OrderedDict`` node holding a 64-bit key hash and
-a page count; ``tests/unit/kvtierd/test_ghost.py`` measures it), so a tier's ghosts hold at most
-``1.5 * MAX_KEYS`` entries (about 7 MB). A tier so large that its 4x ghost could hold more keys than
+Memory: a ghost entry costs about 40 bytes in ``kvtierd._ghost`` (compiled: a 64-bit key hash, a
+page count and two links in flat arrays, and a half-full table), about 140 as the Python form's
+``OrderedDict`` node (``tests/unit/kvtierd/test_ghost.py`` measures both), so a tier's ghosts
+hold at most ``1.5 * MAX_KEYS`` entries (about 2 MB compiled, 7 MB in Python). A tier so large that its 4x ghost could hold more keys than
 ``MAX_KEYS`` (counting one page per chunk, the worst case) is simulated on a sample of the key space
 (spatial sampling, as in SHARDS: a key is simulated iff its 64-bit hash is below
 ``sample_ratio * 2**64``, and the ghost capacities shrink by the same ratio); its counters then
@@ -40,9 +41,9 @@ simulated exactly (``sample_ratio`` 1). The sample is deterministic: xxh3 of the
 its key space, so the same keys are sampled in every process and run.
 
 Cost, and why ``MAX_KEYS`` is 32768: a LOOKUP batch hashes every key (one C loop) and compares it
-with each tier's threshold; only the sampled keys go into the ghosts, and a ghost access is an
-``OrderedDict`` lookup and move (~0.2-0.5 µs a key and ghost on the shared test machine, cache
-misses included). With 131072 keys a 100k-chunk tier sampled a quarter of its keys and the ghosts
+with each tier's threshold; only the sampled keys go into the ghosts, and a ghost access is a
+table lookup and a relink (in the Python form an ``OrderedDict`` lookup and move, ~0.2-0.5 µs a
+key and ghost on the shared test machine, cache misses included). With 131072 keys a 100k-chunk tier sampled a quarter of its keys and the ghosts
 cost more than the index lookup itself; at 32768 it is 1/15 there and 1/150 at a million chunks,
 and the largest ghost still holds up to 32768 distinct keys, where SHARDS-style estimates are
 within a point or two (``tests/unit/kvtierd/test_ghost_batch.py`` checks the estimate against an
@@ -63,7 +64,7 @@ from prometheus_client.registry import Collector
 from kvtierd import key_sample
 
 SCALES = (2, 4)
-MAX_KEYS = 1 << 15  # keys in a tier's largest ghost before it samples (~4.6 MB at ~140 B a key)
+MAX_KEYS = 1 << 15  # keys in a tier's largest ghost before it samples (~1.4 MB at ~40 B a key)
 _SAMPLE_BITS = 64  # a key is sampled iff its 64-bit hash is below ratio * 2**64
 
 
@@ -73,8 +74,11 @@ def _space_seed(tenant: str, namespace: str, rank: int) -> int:
         f"{tenant}\0{namespace}\0{rank}".encode("utf-8", "surrogatepass"))
 
 
-class GhostLRU:
-    """A keys-only LRU bounded by bytes: key hash -> pages, coldest first."""
+class GhostLRUPython:
+    """A keys-only LRU bounded by bytes: key hash -> pages, coldest first. The Python form of
+    ``kvtierd._ghost.LRU`` (the one that runs where that extension was built: same answers,
+    same order, about a quarter of the memory and a fraction of the time per key); the tests
+    run both."""
 
     def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
         self.capacity_pages = capacity_bytes // page_bytes
@@ -162,9 +166,21 @@ class GhostLRU:
     def remove_many(self, keys: Iterable[int]) -> None:
         self.used_pages -= sum(map(self._order.pop, keys, repeat(0)))
 
+    def items(self) -> list[tuple[int, int]]:
+        """(key, pages), coldest first."""
+        return list(self._order.items())
+
     def check_invariants(self) -> None:
         assert self.used_pages == sum(self._order.values()), "ghost page count drifted"
         assert self.used_pages <= self.capacity_pages, "ghost above its capacity"
+
+
+try:
+    from kvtierd._ghost import LRU as GhostLRU
+    NATIVE = "compiled"
+except ImportError:  # built without a C compiler: the same ghosts, slower and larger
+    GhostLRU = GhostLRUPython
+    NATIVE = "python"
 
 
 class TierGhosts:
@@ -404,7 +420,7 @@ class GhostCollector(Collector):
             labels=["tier", "scale"],
         )
         keys = GaugeMetricFamily(
-            "kvtierd_ghost_keys", "Keys a ghost holds (about 140 bytes of daemon memory each)",
+            "kvtierd_ghost_keys", "Keys a ghost holds (about 40 bytes of daemon memory each)",
             labels=["tier", "scale"],
         )
         ratio = GaugeMetricFamily(

@@ -4,7 +4,7 @@ Python forms (the same results, slower for small chunks)."""
 
 from __future__ import annotations
 
-from kvtierd import key_sample
+from kvtierd import ghost, key_sample
 from kvtierd.copy import memcpy
 from kvtierd.eviction import lru
 from kvtierd.server import requests
@@ -16,4 +16,4 @@ def summary() -> str:
     return ", ".join(f"{what}: {native}" for what, native in (
         ("host copies", memcpy.NATIVE), ("index columns", columns.NATIVE),
         ("request items", requests.NATIVE), ("lru stamps", lru.NATIVE),
-        ("ghost sampling", key_sample.NATIVE)))
+        ("ghost sampling", key_sample.NATIVE), ("ghosts", ghost.NATIVE)))

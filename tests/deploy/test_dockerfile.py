@@ -229,4 +229,4 @@ def test_build_steps_replayed_give_a_daemon_that_serves_and_passes_its_health_ch
     assert "Traceback" not in text and "torch" not in text, text
     # the build compiled the copy loop (setup.py is in the context and the build stage)
     assert ("host copies: compiled copies and xxh3, index columns: compiled, request items: "
-            "compiled, lru stamps: compiled, ghost sampling: compiled") in text, text
+            "compiled, lru stamps: compiled, ghost sampling: compiled, ghosts: compiled") in text, text

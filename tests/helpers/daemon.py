@@ -17,7 +17,7 @@ from kvtierd.protocol import Op
 
 #: The extensions setup.py builds: every one optional, each with a Python form.
 COMPILED_PARTS = ("kvtierd.copy._ranges", "kvtierd.tiers._columns", "kvtierd.server._items",
-                  "kvtierd.eviction._stamps", "kvtierd._key_sample")
+                  "kvtierd.eviction._stamps", "kvtierd._key_sample", "kvtierd._ghost")
 #: A launcher for ``DaemonProcess`` running ``kvtierd serve`` as a build without a C compiler
 #: would: each compiled part's import fails (a ``None`` in ``sys.modules`` makes it raise
 #: ImportError), so the daemon runs the Python forms.

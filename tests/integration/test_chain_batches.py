@@ -127,5 +127,6 @@ def test_put_get_delete_batches_with_chunks_in_the_arena_on_nvme_and_nowhere(dae
     compiled = d.launcher is not WITHOUT_COMPILED_PARTS
     form = "compiled" if compiled else "python"
     assert all(f"{part}: {form}" in ready for part in ("index columns", "request items",
-                                                         "lru stamps", "ghost sampling")), ready
+                                                         "lru stamps", "ghost sampling",
+                                                         "ghosts")), ready
     assert ("host copies: compiled copies and xxh3" if compiled else "host copies: ctypes") in ready

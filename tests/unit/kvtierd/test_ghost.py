@@ -1,5 +1,6 @@
 """Capacity-planning ghosts: exact LRU answers against a naive reference, monotone in capacity,
-bounded memory, and sampling that estimates the exact answer on large tiers."""
+bounded memory, and sampling that estimates the exact answer on large tiers. Every test runs with
+both forms of the ghosts' LRU: the compiled ``kvtierd._ghost.LRU`` and its Python form."""
 
 from __future__ import annotations
 
@@ -8,10 +9,22 @@ import tracemalloc
 
 import pytest
 
+from kvtierd import ghost as ghost_module
 from kvtierd import key_sample
-from kvtierd.ghost import GhostCaches, GhostLRU
+from kvtierd.ghost import GhostCaches, GhostLRUPython
 
 PAGE = 4096
+FORMS = ["compiled", "python"]
+
+
+@pytest.fixture(autouse=True, params=FORMS)
+def lru(request, monkeypatch):
+    """The ghosts' LRU class under test, installed where GhostCaches builds its ghosts."""
+    if request.param == "python":
+        monkeypatch.setattr(ghost_module, "GhostLRU", GhostLRUPython)
+    elif ghost_module.NATIVE != "compiled":
+        pytest.skip("kvtierd._ghost was not built (python setup.py build_ext --inplace)")
+    return ghost_module.GhostLRU
 
 
 class NaiveLRU:
@@ -47,9 +60,9 @@ def trace(rng: random.Random, n: int, keys: int, hot: int = 0):
 
 
 @pytest.mark.parametrize("capacity_pages", [1, 7, 40, 200])
-def test_ghost_lru_answers_exactly_like_a_naive_lru(capacity_pages):
+def test_ghost_lru_answers_exactly_like_a_naive_lru(capacity_pages, lru):
     rng = random.Random(capacity_pages)
-    ghost, ref = GhostLRU(capacity_pages * PAGE, PAGE), NaiveLRU(capacity_pages)
+    ghost, ref = lru(capacity_pages * PAGE, PAGE), NaiveLRU(capacity_pages)
     for op, ikey, pages in trace(rng, 3000, keys=120, hot=10):
         key = GhostCaches.key(ikey)
         if op == "access":
@@ -60,7 +73,7 @@ def test_ghost_lru_answers_exactly_like_a_naive_lru(capacity_pages):
         else:
             ghost.remove(key)
             ref.order = [(k, p) for k, p in ref.order if k != key]
-        assert list(ghost._order.items()) == ref.order
+        assert ghost.items() == ref.order
         ghost.check_invariants()
 
 
@@ -114,8 +127,8 @@ def test_a_get_touch_refreshes_recency_without_counting_an_access():
     ghosts.check_invariants()
 
 
-def test_a_chunk_larger_than_the_ghost_is_not_held():
-    ghost = GhostLRU(4 * PAGE, PAGE)
+def test_a_chunk_larger_than_the_ghost_is_not_held(lru):
+    ghost = lru(4 * PAGE, PAGE)
     ghost.insert(1, 2)
     ghost.insert(2, 5)
     assert 1 in ghost and 2 not in ghost and ghost.used_pages == 2
@@ -146,9 +159,15 @@ def test_large_tiers_are_sampled_and_estimate_the_exact_hit_ratio():
         assert s["accesses"] == pytest.approx(e["accesses"] * 0.25, rel=0.1)
 
 
-def test_memory_per_key_is_what_the_docs_say():
-    """The README and kvtierd.ghost promise about 140 bytes a key; fail well before 2x that."""
-    ghost = GhostLRU(1 << 40, PAGE)
+#: What a key costs each form, as kvtierd.ghost and the README say: about 40 bytes compiled (flat
+#: arrays and a half-full table, grown by doubling), about 140 as an OrderedDict node.
+BYTES_PER_KEY = {"compiled": (20, 64), "python": (60, 200)}
+
+
+def test_memory_per_key_is_what_the_docs_say(lru, request):
+    """The README and kvtierd.ghost promise ~40 bytes a key compiled, ~140 in the Python form."""
+    form = request.node.callspec.params["lru"]
+    ghost = lru(1 << 40, PAGE)
     rng = random.Random(1)
     keys = [GhostCaches.key((("uid:0", "m", 0), rng.randbytes(16))) for _ in range(50000)]
     tracemalloc.start()
@@ -159,7 +178,8 @@ def test_memory_per_key_is_what_the_docs_say():
         per_key = (tracemalloc.get_traced_memory()[0] - before) / len(keys)
     finally:
         tracemalloc.stop()
-    assert 60 < per_key < 200, per_key
+    low, high = BYTES_PER_KEY[form]
+    assert low < per_key < high, per_key
 
 
 @pytest.mark.parametrize("sampling", ["compiled", "python"])  # kvtierd.key_sample's two forms
@@ -204,7 +224,7 @@ def test_batch_feeds_leave_the_ghosts_exactly_as_per_key_feeds(max_keys, samplin
     for a, b in zip(one.tiers, many.tiers):
         assert a.stats() == b.stats()
         for scale in a.ghosts:
-            assert list(a.ghosts[scale]._order.items()) == list(b.ghosts[scale]._order.items())
+            assert a.ghosts[scale].items() == b.ghosts[scale].items()
     many.check_invariants()
     assert sum(len(g) for t in many.tiers for g in t.ghosts.values()) > 0
 
@@ -235,7 +255,54 @@ def test_batch_insert_of_new_keys_evicts_as_per_key_inserts(seed):
         many.insert_many(space, keys, sizes)
         fresh += len(set(keys)) == len(keys)
         for scale in one.tiers[0].ghosts:
-            assert (list(one.tiers[0].ghosts[scale]._order.items())
-                    == list(many.tiers[0].ghosts[scale]._order.items())), f"step {step}"
+            assert (one.tiers[0].ghosts[scale].items()
+                    == many.tiers[0].ghosts[scale].items()), f"step {step}"
     many.check_invariants()
     assert fresh > 5
+
+
+@pytest.mark.parametrize("keys", ["hashes", "clustered"])
+def test_many_keys_with_removals_keep_both_forms_in_step(lru, keys):
+    """Thousands of inserts, touches and removals (the compiled table grows and shifts entries
+    back on every removal) leave the same keys in the same order as the Python form. Clustered
+    keys (small ints and multiples of 2**40) crowd the table's probe runs."""
+    rng = random.Random(len(keys))
+    universe = ([rng.getrandbits(64) for _ in range(6000)] if keys == "hashes" else
+                list(range(3000)) + [i << 40 for i in range(3000)])
+    ghost, ref = lru(9000 * PAGE, PAGE), GhostLRUPython(9000 * PAGE, PAGE)
+    for step in range(40):
+        batch = rng.sample(universe, 400)
+        pages = [rng.choice([1, 2, 5]) for _ in batch]
+        draw = rng.random()
+        if draw < 0.5:
+            ghost.insert_many(batch, pages)
+            ref.insert_many(batch, pages)
+        elif draw < 0.75:
+            ghost.remove_many(batch)
+            ref.remove_many(batch)
+        else:
+            assert ghost.access_many(batch) == ref.access_many(batch)
+        ghost.check_invariants()
+        assert ghost.items() == ref.items(), f"step {step}"
+        assert ghost.used_pages == ref.used_pages and len(ghost) == len(ref)
+    assert len(ghost) > 1000
+
+
+def test_bad_keys_and_page_counts_are_refused_and_change_nothing(lru, request):
+    """A compiled ghost's key is a 64-bit hash and a page count an int >= 0: anything else
+    raises, naming the problem, and leaves the ghost as it was."""
+    if request.node.callspec.params["lru"] == "python":
+        pytest.skip("the Python form takes any hashable key (GhostCaches gives both forms ints)")
+    ghost = lru(8 * PAGE, PAGE)
+    ghost.insert_many([1, 2], [1, 1])
+    for bad in ("k", None, 1.5, -1, 1 << 64):
+        with pytest.raises((TypeError, OverflowError)):
+            ghost.insert(bad, 1)
+        with pytest.raises((TypeError, OverflowError)):
+            ghost.remove_many([bad])
+    with pytest.raises((TypeError, OverflowError)):
+        ghost.insert(3, -2)
+    assert ghost.items() == [(1, 1), (2, 1)] and ghost.used_pages == 2
+    ghost.check_invariants()
+    ghost.insert((1 << 64) - 1, 2)  # the largest hash is a key like any other
+    assert (1 << 64) - 1 in ghost and ghost.used_pages == 4
