@@ -1,8 +1,8 @@
 /* kvtierd._ghost: the capacity-planning ghosts' keys-only LRU (kvtierd/ghost.py), in C.
  *
  * Why: every PUT batch inserts its keys into each ghost of every tier, every GET batch touches
- * them and every DELETE removes them. As an OrderedDict (one heap node per key) that was a third
- * of the request loop's time per 16 KiB PUT item, and ~140 bytes a key. Here a ghost is flat
+ * them and every DELETE removes them. As an OrderedDict (one heap node per key) that was about a
+ * tenth of the request loop's CPU per 16 KiB PUT item, and ~140 bytes a key. Here a ghost is flat
  * arrays: per key a 64-bit key, a page count and two 32-bit links of the recency list, found
  * through an open-addressing table of 32-bit node numbers (linear probing, backward-shift
  * deletion: no tombstones), about 40 bytes a key. ghost.py keeps the Python form this is tested
@@ -24,14 +24,17 @@
 #define MAX_NODES 0x3FFFFFFF /* node numbers and table sizes stay well inside int32 */
 
 typedef struct {
+    uint64_t key, pages;
+    int32_t prev;  /* the next colder node, NONE for the coldest */
+    int32_t next;  /* the next more recent node (or the next free node) */
+} Node;
+
+typedef struct {
     PyObject_HEAD
     long long capacity_pages;
     long long page_bytes;
     long long used_pages;
-    uint64_t *keys;     /* per node */
-    uint64_t *pages;    /* per node */
-    int32_t *prev;      /* per node: the next colder node, NONE for the coldest */
-    int32_t *next;      /* per node: the next more recent node (or the next free node) */
+    Node *node;         /* the nodes, by number */
     int32_t nodes;      /* nodes allocated in the arrays */
     int32_t count;      /* keys held */
     int32_t free_head;  /* free nodes, linked through next */
@@ -45,14 +48,12 @@ static inline size_t slot_of(const Ghost *g, uint64_t key) {
     return (size_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - g->table_bits));
 }
 
-static inline size_t table_mask(const Ghost *g) {
-    return ((size_t)1 << g->table_bits) - 1;
-}
+#define table_mask(g) (((size_t)1 << (g)->table_bits) - 1)
 
 /* The table slot holding key's node, or the empty slot where it would go. */
 static size_t find_slot(const Ghost *g, uint64_t key) {
     size_t mask = table_mask(g), slot = slot_of(g, key);
-    while (g->table[slot] != NONE && g->keys[g->table[slot]] != key) {
+    while (g->table[slot] != NONE && g->node[g->table[slot]].key != key) {
         slot = (slot + 1) & mask;
     }
     return slot;
@@ -72,7 +73,7 @@ static void table_delete_slot(Ghost *g, size_t slot) {
         if (node == NONE) {
             break;
         }
-        size_t home = slot_of(g, g->keys[node]);
+        size_t home = slot_of(g, g->node[node].key);
         /* the member may fill the hole unless its home lies cyclically in (hole, probe] */
         int stays = hole <= probe ? (hole < home && home <= probe) : (hole < home || home <= probe);
         if (!stays) {
@@ -94,8 +95,8 @@ static int table_resize(Ghost *g, uint32_t bits) {
     PyMem_Free(g->table);
     g->table = table;
     g->table_bits = bits;
-    for (int32_t node = g->coldest; node != NONE; node = g->next[node]) {
-        g->table[find_slot(g, g->keys[node])] = node;
+    for (int32_t node = g->coldest; node != NONE; node = g->node[node].next) {
+        g->table[find_slot(g, g->node[node].key)] = node;
     }
     return 0;
 }
@@ -107,55 +108,42 @@ static int grow_nodes(Ghost *g) {
         return -1;
     }
     int32_t nodes = old ? (old > MAX_NODES / 2 ? MAX_NODES : old * 2) : 64;
-    uint64_t *keys = PyMem_Realloc(g->keys, (size_t)nodes * sizeof(uint64_t));
-    if (keys == NULL) goto fail;
-    g->keys = keys;
-    uint64_t *pages = PyMem_Realloc(g->pages, (size_t)nodes * sizeof(uint64_t));
-    if (pages == NULL) goto fail;
-    g->pages = pages;
-    int32_t *prev = PyMem_Realloc(g->prev, (size_t)nodes * sizeof(int32_t));
-    if (prev == NULL) goto fail;
-    g->prev = prev;
-    int32_t *next = PyMem_Realloc(g->next, (size_t)nodes * sizeof(int32_t));
-    if (next == NULL) goto fail;
-    g->next = next;
+    Node *grown = PyMem_Realloc(g->node, (size_t)nodes * sizeof(Node));
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    g->node = grown;
     for (int32_t node = nodes - 1; node >= old; node--) {
-        g->next[node] = g->free_head;
+        g->node[node].next = g->free_head;
         g->free_head = node;
     }
     g->nodes = nodes;
     return 0;
-fail:
-    PyErr_NoMemory();
-    return -1;
 }
 
 static void unlink_node(Ghost *g, int32_t node) {
-    int32_t p = g->prev[node], n = g->next[node];
-    if (p == NONE) g->coldest = n; else g->next[p] = n;
-    if (n == NONE) g->hottest = p; else g->prev[n] = p;
+    int32_t p = g->node[node].prev, n = g->node[node].next;
+    if (p == NONE) g->coldest = n; else g->node[p].next = n;
+    if (n == NONE) g->hottest = p; else g->node[n].prev = p;
 }
 
 static void append_node(Ghost *g, int32_t node) {
-    g->prev[node] = g->hottest;
-    g->next[node] = NONE;
-    if (g->hottest == NONE) g->coldest = node; else g->next[g->hottest] = node;
+    g->node[node].prev = g->hottest;
+    g->node[node].next = NONE;
+    if (g->hottest == NONE) g->coldest = node; else g->node[g->hottest].next = node;
     g->hottest = node;
 }
 
-static void free_node(Ghost *g, int32_t node) {
-    g->next[node] = g->free_head;
-    g->free_head = node;
-    g->count--;
-}
-
-/* Drop the key held in ``slot`` (its node number). */
+/* Drop the key held in ``slot`` (its node number); its node goes back to the free list. */
 static void drop_at(Ghost *g, size_t slot) {
     int32_t node = g->table[slot];
     unlink_node(g, node);
     table_delete_slot(g, slot);
-    g->used_pages -= (long long)g->pages[node];
-    free_node(g, node);
+    g->used_pages -= (long long)g->node[node].pages;
+    g->node[node].next = g->free_head;
+    g->free_head = node;
+    g->count--;
 }
 
 static int ghost_insert(Ghost *g, uint64_t key, uint64_t pages) {
@@ -175,15 +163,15 @@ static int ghost_insert(Ghost *g, uint64_t key, uint64_t pages) {
         }
     }
     int32_t node = g->free_head;
-    g->free_head = g->next[node];
-    g->keys[node] = key;
-    g->pages[node] = pages;
+    g->free_head = g->node[node].next;
+    g->node[node].key = key;
+    g->node[node].pages = pages;
     g->table[find_slot(g, key)] = node;
     append_node(g, node);
     g->count++;
     g->used_pages += (long long)pages;
     while (g->used_pages > g->capacity_pages) {
-        drop_at(g, find_slot(g, g->keys[g->coldest]));
+        drop_at(g, find_slot(g, g->node[g->coldest].key));
     }
     return 0;
 }
@@ -200,29 +188,35 @@ static int ghost_access(Ghost *g, uint64_t key) {
     return 1;
 }
 
-static void ghost_remove(Ghost *g, uint64_t key) {
+static int ghost_remove(Ghost *g, uint64_t key) {
     size_t slot = find_slot(g, key);
-    if (g->table[slot] != NONE) {
-        drop_at(g, slot);
+    if (g->table[slot] == NONE) {
+        return 0;
     }
+    drop_at(g, slot);
+    return 1;
 }
 
-/* A Python int key (0 <= key < 2**64); -1 with an exception set otherwise. */
-static int key_of(PyObject *obj, uint64_t *out) {
+/* An int 0 <= value < 2**64 (``what``: a ghost key, a 64-bit hash, or a page count); -1 with an
+ * exception naming the value otherwise. */
+static int u64_of(PyObject *obj, const char *what, uint64_t *out) {
     if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "a ghost key must be an int, not %.80s",
+        PyErr_Format(PyExc_TypeError, "ghost %s must be an int, not %.80s", what,
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
     unsigned long long value = PyLong_AsUnsignedLongLong(obj);
     if (value == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Format(PyExc_OverflowError, "a ghost key is a 64-bit hash (0 <= key < 2**64), "
-                     "not %R", obj);
+        PyErr_Format(PyExc_OverflowError, "ghost %s must be an int 0 <= %s < 2**64, not %R", what,
+                     what, obj);
         return -1;
     }
     *out = value;
     return 0;
 }
+
+#define key_of(obj, out) u64_of((obj), "key", (out))
+#define pages_of(obj, out) u64_of((obj), "pages", (out))
 
 /* -- the Python type --------------------------------------------------------------------------- */
 
@@ -233,28 +227,20 @@ static int Ghost_init(Ghost *g, PyObject *args, PyObject *kwargs) {
                                      &page_bytes)) {
         return -1;
     }
-    if (page_bytes <= 0 || capacity_bytes < 0) {
-        PyErr_Format(PyExc_ValueError, "a ghost needs page_bytes > 0 and capacity_bytes >= 0, "
-                     "not %lld and %lld", page_bytes, capacity_bytes);
-        return -1;
-    }
-    if (g->table != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "a ghost is initialised once");
+    if (page_bytes <= 0 || capacity_bytes < 0 || g->table != NULL) {
+        PyErr_Format(PyExc_ValueError, g->table ? "a ghost is initialised once"
+                     : "a ghost needs page_bytes > 0 and capacity_bytes >= 0, not %lld and %lld",
+                     page_bytes, capacity_bytes);
         return -1;
     }
     g->capacity_pages = capacity_bytes / page_bytes;
     g->page_bytes = page_bytes;
-    g->used_pages = 0;
-    g->nodes = g->count = 0;
-    g->free_head = g->coldest = g->hottest = NONE;
+    g->free_head = g->coldest = g->hottest = NONE;  /* the rest is zero from tp_new */
     return table_resize(g, 6);
 }
 
 static void Ghost_dealloc(Ghost *g) {
-    PyMem_Free(g->keys);
-    PyMem_Free(g->pages);
-    PyMem_Free(g->prev);
-    PyMem_Free(g->next);
+    PyMem_Free(g->node);
     PyMem_Free(g->table);
     Py_TYPE(g)->tp_free((PyObject *)g);
 }
@@ -287,129 +273,85 @@ static PyObject *Ghost_access(Ghost *g, PyObject *obj) {
     return PyBool_FromLong(ghost_access(g, key));
 }
 
-/* access of every key of ``obj`` (a sequence or iterable), in order; how many were held. */
-static Py_ssize_t access_each(Ghost *g, PyObject *obj) {
-    PyObject *fast = PySequence_Fast(obj, "keys must be an iterable of ints");
+/* ``op`` of every key of ``obj`` (a sequence or iterable), in order; the sum of its answers. */
+static Py_ssize_t each_key(Ghost *g, PyObject *obj, int (*op)(Ghost *, uint64_t)) {
+    PyObject *fast = ready(g) ? PySequence_Fast(obj, "keys must be an iterable of ints") : NULL;
     if (fast == NULL) {
         return -1;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), hits = 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), sum = 0;
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t key;
         if (key_of(items[i], &key) < 0) {
-            hits = -1;
+            sum = -1;
             break;
         }
-        hits += ghost_access(g, key);
+        sum += op(g, key);
     }
     Py_DECREF(fast);
-    return hits;
+    return sum;
 }
 
 static PyObject *Ghost_access_many(Ghost *g, PyObject *obj) {
-    Py_ssize_t hits = ready(g) ? access_each(g, obj) : -1;
+    Py_ssize_t hits = each_key(g, obj, ghost_access);
     return hits < 0 ? NULL : PyLong_FromSsize_t(hits);
 }
 
-static PyObject *Ghost_touch_many(Ghost *g, PyObject *obj) {
-    if (!ready(g) || access_each(g, obj) < 0) {
+/* None, or NULL where ``rc`` says the call failed (its exception is set). */
+static PyObject *none_unless(Py_ssize_t rc) {
+    if (rc < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
-/* A page count (an int >= 0); -1 with an exception set otherwise. */
-static int pages_of(PyObject *obj, uint64_t *out) {
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "a ghost page count must be an int, not %.80s",
-                     Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    unsigned long long value = PyLong_AsUnsignedLongLong(obj);
-    if (value == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Format(PyExc_OverflowError, "a ghost page count is an int >= 0 below 2**64, "
-                     "not %R", obj);
-        return -1;
-    }
-    *out = value;
-    return 0;
+static PyObject *Ghost_touch_many(Ghost *g, PyObject *obj) {
+    return none_unless(each_key(g, obj, ghost_access));
+}
+
+static int insert_obj(Ghost *g, PyObject *key_obj, PyObject *pages_obj) {
+    uint64_t key, pages;
+    return key_of(key_obj, &key) < 0 || pages_of(pages_obj, &pages) < 0 ? -1
+           : ghost_insert(g, key, pages);
 }
 
 static PyObject *Ghost_insert(Ghost *g, PyObject *args) {
-    uint64_t key, pages;
     PyObject *key_obj, *pages_obj;
-    if (!ready(g) || !PyArg_ParseTuple(args, "OO:insert", &key_obj, &pages_obj) ||
-        key_of(key_obj, &key) < 0 || pages_of(pages_obj, &pages) < 0 ||
-        ghost_insert(g, key, pages) < 0) {
+    if (!ready(g) || !PyArg_ParseTuple(args, "OO:insert", &key_obj, &pages_obj)) {
         return NULL;
     }
-    Py_RETURN_NONE;
+    return none_unless(insert_obj(g, key_obj, pages_obj));
 }
 
 static PyObject *Ghost_insert_many(Ghost *g, PyObject *args) {
-    PyObject *keys_obj, *pages_obj;
-    if (!ready(g) || !PyArg_ParseTuple(args, "OO:insert_many", &keys_obj, &pages_obj)) {
+    PyObject *keys_obj, *pages_obj, *keys, *pages = NULL;
+    if (!ready(g) || !PyArg_ParseTuple(args, "OO:insert_many", &keys_obj, &pages_obj) ||
+        (keys = PySequence_Fast(keys_obj, "keys must be an iterable of ints")) == NULL) {
         return NULL;
     }
-    PyObject *keys = PySequence_Fast(keys_obj, "keys must be an iterable of ints");
-    if (keys == NULL) {
-        return NULL;
-    }
-    PyObject *pages = PySequence_Fast(pages_obj, "pages must be an iterable of ints");
-    if (pages == NULL) {
-        Py_DECREF(keys);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), m = PySequence_Fast_GET_SIZE(pages);
-    PyObject **key_items = PySequence_Fast_ITEMS(keys), **page_items = PySequence_Fast_ITEMS(pages);
-    int failed = 0;
-    for (Py_ssize_t i = 0; i < n && i < m && !failed; i++) {  /* zip: the shorter one ends it */
-        uint64_t key, count;
-        failed = key_of(key_items[i], &key) < 0 || pages_of(page_items[i], &count) < 0 ||
-                 ghost_insert(g, key, count) < 0;
+    int rc = -1;
+    if ((pages = PySequence_Fast(pages_obj, "pages must be an iterable of ints")) != NULL) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), m = PySequence_Fast_GET_SIZE(pages);
+        PyObject **key_items = PySequence_Fast_ITEMS(keys);
+        PyObject **page_items = PySequence_Fast_ITEMS(pages);
+        rc = 0;
+        for (Py_ssize_t i = 0; i < n && i < m && rc == 0; i++) {  /* zip: the shorter ends it */
+            rc = insert_obj(g, key_items[i], page_items[i]);
+        }
+        Py_DECREF(pages);
     }
     Py_DECREF(keys);
-    Py_DECREF(pages);
-    if (failed) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return none_unless(rc);
 }
 
 static PyObject *Ghost_remove(Ghost *g, PyObject *obj) {
     uint64_t key;
-    if (!ready(g) || key_of(obj, &key) < 0) {
-        return NULL;
-    }
-    ghost_remove(g, key);
-    Py_RETURN_NONE;
+    return none_unless(!ready(g) || key_of(obj, &key) < 0 ? -1 : ghost_remove(g, key));
 }
 
 static PyObject *Ghost_remove_many(Ghost *g, PyObject *obj) {
-    if (!ready(g)) {
-        return NULL;
-    }
-    PyObject *fast = PySequence_Fast(obj, "keys must be an iterable of ints");
-    if (fast == NULL) {
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    int failed = 0;
-    for (Py_ssize_t i = 0; i < n && !failed; i++) {
-        uint64_t key;
-        if (key_of(items[i], &key) < 0) {
-            failed = 1;
-        } else {
-            ghost_remove(g, key);
-        }
-    }
-    Py_DECREF(fast);
-    if (failed) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return none_unless(each_key(g, obj, ghost_remove));
 }
 
 static PyObject *Ghost_items(Ghost *g, PyObject *unused) {
@@ -421,9 +363,9 @@ static PyObject *Ghost_items(Ghost *g, PyObject *unused) {
         return NULL;
     }
     Py_ssize_t i = 0;
-    for (int32_t node = g->coldest; node != NONE; node = g->next[node], i++) {
-        PyObject *pair = Py_BuildValue("(KK)", (unsigned long long)g->keys[node],
-                                       (unsigned long long)g->pages[node]);
+    for (int32_t node = g->coldest; node != NONE; node = g->node[node].next, i++) {
+        PyObject *pair = Py_BuildValue("(KK)", (unsigned long long)g->node[node].key,
+                                       (unsigned long long)g->node[node].pages);
         if (pair == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -444,17 +386,17 @@ static PyObject *Ghost_check_invariants(Ghost *g, PyObject *unused) {
     }
     long long used = 0;
     int32_t seen = 0, before = NONE;
-    for (int32_t node = g->coldest; node != NONE; before = node, node = g->next[node]) {
+    for (int32_t node = g->coldest; node != NONE; before = node, node = g->node[node].next) {
         if (++seen > g->count || node < 0 || node >= g->nodes) {
             return invariant_broken("ghost recency list longer than its key count");
         }
-        if (g->prev[node] != before) {
+        if (g->node[node].prev != before) {
             return invariant_broken("ghost recency list links disagree");
         }
-        if (find(g, g->keys[node]) != node) {
+        if (find(g, g->node[node].key) != node) {
             return invariant_broken("ghost key not found through its table");
         }
-        used += (long long)g->pages[node];
+        used += (long long)g->node[node].pages;
     }
     if (seen != g->count || before != g->hottest) {
         return invariant_broken("ghost recency list and key count disagree");
@@ -477,12 +419,6 @@ static PyObject *Ghost_check_invariants(Ghost *g, PyObject *unused) {
 
 static PyObject *Ghost_get_capacity_bytes(Ghost *g, void *unused) {
     return PyLong_FromLongLong(g->capacity_pages * g->page_bytes);
-}
-
-static PyObject *Ghost_get_nbytes(Ghost *g, void *unused) {
-    size_t per_node = 2 * sizeof(uint64_t) + 2 * sizeof(int32_t);
-    size_t table = g->table ? ((size_t)1 << g->table_bits) * sizeof(int32_t) : 0;
-    return PyLong_FromSize_t((size_t)g->nodes * per_node + table);
 }
 
 static PyMethodDef Ghost_methods[] = {
@@ -515,8 +451,6 @@ static PyMemberDef Ghost_members[] = {
 
 static PyGetSetDef Ghost_getset[] = {
     {"capacity_bytes", (getter)Ghost_get_capacity_bytes, NULL, NULL, NULL},
-    {"nbytes", (getter)Ghost_get_nbytes, NULL,
-     "bytes of the arrays and the table (what the ghost's keys cost)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -306,3 +306,5 @@ def test_bad_keys_and_page_counts_are_refused_and_change_nothing(lru, request):
     ghost.check_invariants()
     ghost.insert((1 << 64) - 1, 2)  # the largest hash is a key like any other
     assert (1 << 64) - 1 in ghost and ghost.used_pages == 4
+    with pytest.raises(ValueError, match="page_bytes > 0"):
+        lru(4 * PAGE, 0)
