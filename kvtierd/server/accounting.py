@@ -13,7 +13,7 @@ engine recomputes.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Mapping
+from typing import Mapping, Sequence
 
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import Status, Tier, status_name
@@ -24,6 +24,7 @@ class Accounting:
         self.metrics = metrics
         self.counts: Counter[str] = Counter()
         self._cpu_hits = metrics.hits.labels("cpu")  # a LOOKUP batch that hit the arena only
+        self._get_ok = metrics.get_results.labels(status_name(Status.OK).lower())
 
     def lookup_cpu_hits(self, n: int) -> None:
         """A LOOKUP batch whose ``n`` keys all hit the CPU tier (the common case): what
@@ -52,9 +53,15 @@ class Accounting:
             self.counts["lookup_misses"] += n
             self.metrics.misses.labels(status.name.lower()).inc(n)
 
-    def get_results(self, results: Iterable[int]) -> None:
+    def get_results(self, results: Sequence[int]) -> None:
         """The per-item statuses of one GET reply, exactly as the client receives them: tallied
-        first, so a batch costs one counter update per distinct status, not one per item."""
+        first, so a batch costs one counter update per distinct status, not one per item (a
+        batch served whole, nearly every one, is one count of its OKs)."""
+        n = len(results)
+        if n and results.count(Status.OK) == n:
+            self.counts["get_served"] += n
+            self._get_ok.inc(n)
+            return
         for code, n in Counter(results).items():
             self.counts["get_served" if code == Status.OK else "get_failed"] += n
             self.metrics.get_results.labels(status_name(code).lower()).inc(n)
