@@ -31,23 +31,23 @@ low watermark.
 
 Memory: a ghost entry costs about 40 bytes in ``kvtierd._ghost`` (compiled: a 64-bit key hash, a
 page count and two links in flat arrays, and a half-full table), about 140 as the Python form's
-``OrderedDict`` node (``tests/unit/kvtierd/test_ghost.py`` measures both), so a tier's ghosts
-hold at most ``1.5 * MAX_KEYS`` entries (about 2 MB compiled, 7 MB in Python). A tier so large that its 4x ghost could hold more keys than
-``MAX_KEYS`` (counting one page per chunk, the worst case) is simulated on a sample of the key space
-(spatial sampling, as in SHARDS: a key is simulated iff its 64-bit hash is below
-``sample_ratio * 2**64``, and the ghost capacities shrink by the same ratio); its counters then
-count the sampled accesses only, and their ratios estimate the hit ratios. Small tiers are
-simulated exactly (``sample_ratio`` 1). The sample is deterministic: xxh3 of the key, seeded by
-its key space, so the same keys are sampled in every process and run.
+``OrderedDict`` node (``tests/unit/kvtierd/test_ghost.py`` measures both), so a tier's ghosts hold
+at most ``1.5 * MAX_KEYS`` entries (about 2 MB compiled, 7 MB in Python). A tier so large that its
+4x ghost could hold more keys than ``MAX_KEYS`` (counting one page per chunk, the worst case) is
+simulated on a sample of the key space (spatial sampling, as in SHARDS: a key is simulated iff its
+64-bit hash is below ``sample_ratio * 2**64``, and the ghost capacities shrink by the same ratio);
+its counters then count the sampled accesses only, and their ratios estimate the hit ratios. Small
+tiers are simulated exactly (``sample_ratio`` 1). The sample is deterministic: xxh3 of the key,
+seeded by its key space, so the same keys are sampled in every process and run.
 
 Cost, and why ``MAX_KEYS`` is 32768: a LOOKUP batch hashes every key (one C loop) and compares it
-with each tier's threshold; only the sampled keys go into the ghosts, and a ghost access is a
-table lookup and a relink (in the Python form an ``OrderedDict`` lookup and move, ~0.2-0.5 µs a
-key and ghost on the shared test machine, cache misses included). With 131072 keys a 100k-chunk tier sampled a quarter of its keys and the ghosts
-cost more than the index lookup itself; at 32768 it is 1/15 there and 1/150 at a million chunks,
-and the largest ghost still holds up to 32768 distinct keys, where SHARDS-style estimates are
-within a point or two (``tests/unit/kvtierd/test_ghost_batch.py`` checks the estimate against an
-exact simulation).
+with each tier's threshold; only the sampled keys go into the ghosts, and a ghost access is a table
+lookup and a relink (in the Python form an ``OrderedDict`` lookup and move, ~0.2-0.5 µs a key and
+ghost on the shared test machine, cache misses included). With 131072 keys a 100k-chunk tier sampled
+a quarter of its keys and the ghosts cost more than the index lookup itself; at 32768 it is 1/15
+there and 1/150 at a million chunks, and the largest ghost still holds up to 32768 distinct keys,
+where SHARDS-style estimates are within a point or two (``tests/unit/kvtierd/test_ghost_batch.py``
+checks the estimate against an exact simulation).
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def _space_seed(tenant: str, namespace: str, rank: int) -> int:
 
 class GhostLRUPython:
     """A keys-only LRU bounded by bytes: key hash -> pages, coldest first. The Python form of
-    ``kvtierd._ghost.LRU`` (the one that runs where that extension was built: same answers,
-    same order, about a quarter of the memory and a fraction of the time per key); the tests
-    run both."""
+    ``kvtierd._ghost.LRU``: that one runs where the extension was built (the same answers and
+    order, about a quarter of the memory, a fraction of the time per key), this one where it was
+    not; the tests run both."""
 
     def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
         self.capacity_pages = capacity_bytes // page_bytes
