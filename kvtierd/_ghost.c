@@ -148,7 +148,8 @@ static void drop_at(Ghost *g, size_t slot) {
 
 static int ghost_insert(Ghost *g, uint64_t key, uint64_t pages) {
     size_t slot = find_slot(g, key);
-    if (g->table[slot] != NONE) {
+    int shifted = g->table[slot] != NONE; /* the old entry's removal moves others: look again */
+    if (shifted) {
         drop_at(g, slot);
     }
     if (pages > (uint64_t)g->capacity_pages) {
@@ -161,12 +162,13 @@ static int ghost_insert(Ghost *g, uint64_t key, uint64_t pages) {
         if (table_resize(g, g->table_bits + 1) < 0) {
             return -1;
         }
+        shifted = 1;
     }
     int32_t node = g->free_head;
     g->free_head = g->node[node].next;
     g->node[node].key = key;
     g->node[node].pages = pages;
-    g->table[find_slot(g, key)] = node;
+    g->table[shifted ? find_slot(g, key) : slot] = node;
     append_node(g, node);
     g->count++;
     g->used_pages += (long long)pages;
