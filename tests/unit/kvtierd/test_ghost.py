@@ -9,22 +9,11 @@ import tracemalloc
 
 import pytest
 
-from kvtierd import ghost as ghost_module
 from kvtierd import key_sample
 from kvtierd.ghost import GhostCaches, GhostLRUPython
 
 PAGE = 4096
-FORMS = ["compiled", "python"]
-
-
-@pytest.fixture(autouse=True, params=FORMS)
-def lru(request, monkeypatch):
-    """The ghosts' LRU class under test, installed where GhostCaches builds its ghosts."""
-    if request.param == "python":
-        monkeypatch.setattr(ghost_module, "GhostLRU", GhostLRUPython)
-    elif ghost_module.NATIVE != "compiled":
-        pytest.skip("kvtierd._ghost was not built (python setup.py build_ext --inplace)")
-    return ghost_module.GhostLRU
+pytestmark = pytest.mark.usefixtures("lru")  # every test with both forms (conftest.py)
 
 
 class NaiveLRU:

@@ -6,21 +6,13 @@ import random
 
 import pytest
 
-from kvtierd import ghost as ghost_module
 from kvtierd import key_sample
-from kvtierd.ghost import GhostCaches, GhostLRUPython
+from kvtierd.ghost import GhostCaches
 
 PAGE = 4096
 SPACE = ("uid:1000", "ns", 0)
 
-
-@pytest.fixture(autouse=True, params=["compiled", "python"])
-def lru(request, monkeypatch):
-    """Both forms of the ghosts' LRU (``kvtierd._ghost.LRU`` and its Python form)."""
-    if request.param == "python":
-        monkeypatch.setattr(ghost_module, "GhostLRU", GhostLRUPython)
-    elif ghost_module.NATIVE != "compiled":
-        pytest.skip("kvtierd._ghost was not built (python setup.py build_ext --inplace)")
+pytestmark = pytest.mark.usefixtures("lru")  # every test with both forms (conftest.py)
 
 
 @pytest.mark.parametrize("outcomes", [["cpu", "nvme", None], ["cpu"], ["nvme"], [None]],
