@@ -12,9 +12,9 @@ with the load, so a before/after is readable on a busy box. (The throughput agai
 Each round does, per chunk size, one PUT of a batch (staging already filled, 4096 items or 64 MiB),
 one GET of the same keys and one DELETE of them, on a daemon without an NVMe tier (the CPU path).
 With ``--compare DIR`` a second daemon runs the kvtierd found in DIR (e.g. a checkout of main) and
-the two are driven alternately, round by round, so both see the same machine. The first round is a
-warm-up. ``--quick`` runs tiny batches so that a test checks the output's shape; its numbers mean
-nothing.
+the two are driven alternately, round by round, so both see the same machine, and which of them
+goes first alternates too. The first round is a warm-up. ``--quick`` runs tiny batches so that a
+test checks the output's shape; its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def main() -> int:
         for r in range(rounds):
             for label, size in SIZES.items():
                 count = max(1, min(MAX_ITEMS, batch_bytes // size))
-                for name in codes:
+                # Neither daemon keeps a fixed place in the round: the order alternates.
+                for name in (list(codes) if r % 2 else list(codes)[::-1]):
                     got = one_round(daemons[name][0], sessions[name], size, count, f"r{r}")
                     if r == 0:
                         continue  # warm-up: first allocations, first page faults
@@ -153,7 +154,7 @@ def main() -> int:
     print(f"{'daemon / chunk':<18}" + "".join(f"{c.replace('_us', ''):>14}" for c in cols)
           + "   (µs CPU per item, median)")
     for row_name, row in results["rows"].items():
-        print(f"{row_name:<18}" + "".join(f"{row[c]:>14.1f}" for c in cols))
+        print(f"{row_name:<18}" + "".join(f"{row[c]:>14.2f}" for c in cols))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
