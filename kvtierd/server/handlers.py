@@ -46,16 +46,10 @@ _LABEL = {tier: tier.name.lower() for tier in Tier}
 
 
 def _keys_problem(keys: list) -> tuple[Status, str] | None:
-    """Why some key of a LOOKUP cannot name a chunk (the first such key), or None. A good batch
-    is checked in C: ``join`` refuses anything but bytes-like objects (msgpack decodes binary as
-    ``bytes`` only), then the shortest and longest key."""
-    try:
-        b"".join(keys)
-    except TypeError:
-        pass
-    else:
-        if not keys or (min(map(len, keys)) > 0 and max(map(len, keys)) <= MAX_KEY_BYTES):
-            return None
+    """Why some key of a batch cannot name a chunk (the first such key), or None. A good batch
+    is checked in one pass (``requests.good_keys``); a bad one key by key for the message."""
+    if requests.good_keys(keys):
+        return None
     for key in keys:
         problem = requests.key_problem(key)
         if problem is not None:

@@ -120,8 +120,9 @@ def batch(header: dict, name: str, limit: int) -> list:
 
 def items(header: dict, limit: int) -> list[Item]:
     out = batch(header, "items", limit)
-    if _ITEM_TYPES.issuperset(map(type, out)) and set(map(len, out)) == _THREE:
-        return out  # every item a [key, offset, nbytes] (the common case: two C loops)
+    if (_items.triples(out) if _items is not None
+            else _ITEM_TYPES.issuperset(map(type, out)) and set(map(len, out)) == _THREE):
+        return out  # every item a [key, offset, nbytes] (the common case: one pass in C)
     for i, item in enumerate(out):
         if not isinstance(item, (list, tuple)) or len(item) != 3:
             raise ProtocolError(
@@ -162,6 +163,25 @@ def common_columns_python(items: list[Item], limit: int) -> Columns | None:
             or min(sizes) <= 0 or max(map(add, offsets, sizes)) > limit):
         return None
     return keys, offsets, sizes
+
+
+def good_keys(keys: list) -> bool:
+    """Whether every key of a batch (a list) can name a chunk: bytes of 1..MAX_KEY_BYTES. One
+    pass in C where ``kvtierd.server._items`` was built, else ``good_keys_python``: the same
+    answers. (``key_problem`` of each key then says which one is not, and why.)"""
+    if _items is not None:
+        return _items.good_keys(keys, MAX_KEY_BYTES)
+    return good_keys_python(keys)
+
+
+def good_keys_python(keys: list) -> bool:
+    """``good_keys`` as C loops over the batch: the types in one set, then the lengths."""
+    if not keys:
+        return True
+    if set(map(type, keys)) != _BYTES:
+        return False
+    lengths = list(map(len, keys))
+    return min(lengths) > 0 and max(lengths) <= MAX_KEY_BYTES
 
 
 def key_problem(key: Any) -> tuple[Status, str] | None:

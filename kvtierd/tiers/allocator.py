@@ -9,6 +9,9 @@ remain. Allocation returns ``None`` when not enough pages are free; the caller e
 from __future__ import annotations
 
 import bisect
+from itertools import repeat
+from operator import sub
+from typing import Sequence
 
 Run = tuple[int, int]  # (first page, page count)
 
@@ -92,19 +95,24 @@ class PageAllocator:
         hand out while each still finds one run (first fit), in one pass over the extents. Fewer
         when the extents run out of ``count``-page room: the caller allocates the rest one by one
         (those may need several runs, or eviction)."""
+        return list(zip(self.allocate_starts(count, n), repeat(count)))
+
+    def allocate_starts(self, count: int, n: int) -> list[int]:
+        """``allocate_many`` as the runs' first pages alone (each run is ``count`` pages): a PUT
+        batch's reservations want no tuple per chunk."""
         if count <= 0:
             raise ValueError(f"page count must be positive, got {count}")
         starts, lengths = self._starts, self._lengths
-        runs: list[Run] = []
+        out: list[int] = []
         i = 0
-        while len(runs) < n and i < len(lengths):
+        while len(out) < n and i < len(lengths):
             length = lengths[i]
             if length < count:
                 i += 1
                 continue
-            take = min(n - len(runs), length // count)
+            take = min(n - len(out), length // count)
             start, used = starts[i], take * count
-            runs.extend([(page, count) for page in range(start, start + used, count)])
+            out.extend(range(start, start + used, count))
             if used == length:
                 del starts[i], lengths[i]
             else:
@@ -112,7 +120,7 @@ class PageAllocator:
                 lengths[i] -= used
                 i += 1  # what is left is shorter than count, or n runs are out
             self.free_pages -= used
-        return runs
+        return out
 
     def _take(self, i: int, count: int) -> Run:
         start = self._starts[i]
@@ -146,6 +154,28 @@ class PageAllocator:
                 first = end = start
             end += count
         self._free_run(first, end - first)
+
+    def free_starts(self, starts: Sequence[int], counts: Sequence[int] | int) -> None:
+        """``free_many`` of the runs ``zip(starts, counts)``; ``counts`` one int where every run
+        has that many pages (a DELETE of one chunk size). Then the batch is checked as a whole
+        before any page is freed, and a batch a PUT placed side by side (the runs touch one
+        another end to start) goes back as one run without a tuple per chunk."""
+        if not isinstance(counts, int):
+            self.free_many(list(zip(starts, counts)))
+            return
+        if not starts:
+            return
+        if counts <= 0:
+            raise ValueError(f"run ({starts[0]}, {counts}) is outside 0..{self.num_pages}")
+        ordered = sorted(starts)
+        if len(ordered) > 1 and min(map(sub, ordered[1:], ordered)) < counts:
+            self.free_many(list(zip(ordered, repeat(counts))))  # raises, naming the run
+            return
+        n = len(ordered)
+        if ordered[-1] - ordered[0] == (n - 1) * counts:  # gaps of exactly ``counts``: one run
+            self._free_run(ordered[0], n * counts)
+        else:
+            self.free_many(list(zip(ordered, repeat(counts))))
 
     def _free_run(self, start: int, count: int) -> None:
         if count <= 0 or start < 0 or start + count > self.num_pages:

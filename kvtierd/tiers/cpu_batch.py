@@ -428,8 +428,8 @@ class CpuBatchOps:
         """Remove plain chunks (``ChunkIndex.plain_slots``) whose rows are gone: out of the
         policy, the index and the allocator, each in one call, and the counters once."""
         self.policy.remove_many(slots)
-        runs, pages = self.index.discard_plain(found, keys, slots, fp)
-        self.allocator.free_many(runs)
+        starts, counts, pages = self.index.discard_plain(found, keys, slots, fp)
+        self.allocator.free_starts(starts, counts)
         self.ready_chunks -= len(slots)
         self.ready_pages -= pages
         tenant = found.space[0]

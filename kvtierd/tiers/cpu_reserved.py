@@ -44,16 +44,14 @@ class CpuReservedOps:
                 or len(set(keys)) != len(keys)
                 or (found is not None and not found.keys.keys().isdisjoint(keys))):
             return [], []
-        runs = self.allocator.allocate_many(pages, len(keys))
-        if not runs:
+        starts = self.allocator.allocate_starts(pages, len(keys))
+        if not starts:
             return [], []
-        starts = [run[0] for run in runs]
-        placed = len(runs)
+        placed = len(starts)
         slots = index.add_pending(space, fingerprint, keys[:placed] if placed < len(keys)
                                   else keys, [nbytes] * placed, starts, by_slot=True)
         self._count_placed(space, placed, pages)
-        page = self.page_bytes
-        return slots, [start * page for start in starts]
+        return slots, list(map(self.page_bytes.__mul__, starts))
 
     def commit_slots(self: CpuTier, space: tuple, fingerprint: str, keys: Sequence[bytes],
                      slots: list[int], checksums: Sequence[bytes], nbytes: int) -> None:

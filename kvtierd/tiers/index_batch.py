@@ -16,7 +16,6 @@ from collections import deque
 from itertools import repeat
 from typing import Sequence
 
-from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.columns import fill_at, put_at, put_records_at, take_at
 from kvtierd.tiers.index_parts import (ACTIVE, CHECKSUM_BYTES, MULTI, SUMMED, USED, VERIFIED,
                                        KeySpace)
@@ -48,19 +47,20 @@ class BatchEdits:
         return slots
 
     def discard_plain(self, found: KeySpace, keys: Sequence[bytes], slots: list[int],
-                      fp: int) -> tuple[list[Run], int]:
+                      fp: int) -> tuple[list[int], list[int] | int, int]:
         """Unindex plain chunks (``plain_slots``: ``keys`` of ``found``, at ``slots``, of
-        fingerprint id ``fp``): what ``_unindex`` of each does. Returns their runs, in slot
-        order, and the pages they hold."""
+        fingerprint id ``fp``): what ``_unindex`` of each does. Returns their runs as first
+        pages and page counts, in slot order (the counts one int where every chunk has the same
+        size: ``PageAllocator.free_starts`` takes both forms), and the pages they hold."""
         page, starts = self.page_bytes, take_at(self._start, slots)
         sizes = take_at(self._nbytes, slots)
+        counts: list[int] | int
         if sizes.count(sizes[0]) == len(sizes):  # one chunk size (most batches)
-            pages = -(-sizes[0] // page) or 1
-            runs = list(zip(starts, repeat(pages)))
-            total = pages * len(slots)
+            counts = -(-sizes[0] // page) or 1
+            total = counts * len(slots)
         else:
-            runs = [(start, -(-nbytes // page) or 1) for start, nbytes in zip(starts, sizes)]
-            total = sum([count for _, count in runs])
+            counts = [-(-nbytes // page) or 1 for nbytes in sizes]
+            total = sum(counts)
         deque(map(found.keys.__delitem__, keys), 0)  # every del in C; raises on a missing key
         fill_at(self._keys, slots, None)
         fill_at(self._flags, slots, 0)
@@ -71,7 +71,7 @@ class BatchEdits:
             del self._spaces[found.space]
             self._space_list[found.id] = None
             self._free_space_ids.append(found.id)
-        return runs, total
+        return starts, counts, total
 
     def loosen_slots(self, slots: list[int]) -> None:
         """``loosen`` of the indexed entries at ``slots`` (a batch just committed)."""

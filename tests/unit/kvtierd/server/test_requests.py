@@ -97,3 +97,39 @@ def test_items_checks_the_shape_of_every_item():
     for bad in ([[b"a", 0]], [[b"a", 0, 1, 2]], [b"abc"], [{"k": 1}], [[b"a", 0, 1], 7]):
         with pytest.raises(ProtocolError, match=r"items\[\d+\]"):
             requests.items({"items": bad}, 10)
+
+
+KEY_FORMS = pytest.mark.parametrize(
+    "good_keys", [lambda keys: _items.good_keys(keys, MAX_KEY_BYTES), requests.good_keys_python],
+    ids=["compiled", "python"])
+
+
+@KEY_FORMS
+def test_good_keys_accepts_exactly_the_keys_key_problem_accepts(good_keys):
+    assert good_keys([]) and good_keys([b"k", b"k" * MAX_KEY_BYTES])
+    for bad in BAD_VALUES[0]:
+        assert requests.key_problem(bad) is not None
+        assert not good_keys([b"k", bad]), bad
+        assert not good_keys([bad, b"k"]), bad
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_good_keys_forms_agree_with_the_per_key_check(seed):
+    rng = random.Random(seed)
+    for _ in range(300):
+        keys = [b"k" * rng.randint(1, MAX_KEY_BYTES) for _ in range(rng.randint(0, 6))]
+        if keys and rng.random() < 0.3:
+            keys[rng.randrange(len(keys))] = rng.choice(BAD_VALUES[0])
+        want = all(type(k) is bytes and requests.key_problem(k) is None for k in keys)
+        assert _items.good_keys(keys, MAX_KEY_BYTES) is want, keys
+        assert requests.good_keys_python(keys) is want, keys
+        assert requests.good_keys(keys) is want
+
+
+def test_triples_is_the_shape_check_of_items():
+    assert _items.triples([]) and _items.triples([[b"a", 0, 1], (b"b", 1, 1)])
+    for bad in ([[b"a", 0]], [[b"a", 0, 1, 2]], [b"abc"], [{"k": 1}], [[b"a", 0, 1], 7],
+                [[b"a", 0, 1], "abc"]):
+        assert not _items.triples(bad), bad
+    with pytest.raises(TypeError, match="must be a list"):
+        _items.triples((1, 2, 3))

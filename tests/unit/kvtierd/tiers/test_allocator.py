@@ -172,3 +172,62 @@ def test_free_many_refuses_double_and_bad_runs():
             alloc.free_many(bad)
         alloc.check_invariants()
     assert alloc.free_runs() == [(4, 2)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocate_starts_hands_out_the_first_pages_of_allocate_many(seed):
+    rng = random.Random(seed)
+    a, b = PageAllocator(400), PageAllocator(400)
+    held = []
+    for _ in range(40):  # fragment both the same way
+        runs = a.allocate(rng.randint(1, 9))
+        assert runs == b.allocate(sum(c for _, c in runs))
+        held.append(runs)
+    for runs in rng.sample(held, 20):
+        a.free(runs)
+        b.free(runs)
+    count, n = rng.randint(1, 6), rng.randint(1, 60)
+    assert b.allocate_starts(count, n) == [start for start, _ in a.allocate_many(count, n)]
+    assert a.free_runs() == b.free_runs() and a.free_pages == b.free_pages
+    with pytest.raises(ValueError, match="positive"):
+        a.allocate_starts(0, 1)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_free_starts_frees_what_free_many_frees(seed):
+    """A DELETE's runs as first pages and one page count (side by side, as a PUT placed them,
+    or scattered) or as a list of counts: the same extents as ``free_many`` of the runs."""
+    rng = random.Random(seed)
+    count = rng.choice([1, 2, 4])
+    many, starts = PageAllocator(512), PageAllocator(512)
+    held = many.allocate_starts(count, 512 // count)
+    assert starts.allocate_starts(count, 512 // count) == held
+    for _ in range(5):
+        if not held:
+            break
+        batch = rng.sample(held, rng.randint(1, max(1, len(held) // 3)))
+        if rng.random() < 0.5:  # side by side
+            first = rng.randrange(len(held) - len(batch) + 1)
+            batch = held[first:first + len(batch)]
+        held = [s for s in held if s not in batch]
+        many.free_many([(s, count) for s in rng.sample(batch, len(batch))])
+        shuffled = rng.sample(batch, len(batch))
+        starts.free_starts(shuffled, count if rng.random() < 0.7 else [count] * len(batch))
+        starts.check_invariants()
+        assert starts.free_runs() == many.free_runs() and starts.free_pages == many.free_pages
+
+
+def test_free_starts_refuses_double_and_bad_runs_before_freeing_any():
+    alloc = PageAllocator(16)
+    alloc.allocate(16)
+    alloc.free([(4, 2)])
+    for starts, count, match in [([0, 1], 2, "double free"), ([8, 8], 1, "double free"),
+                                 ([3], 2, "double free"), ([9, 10], 0, "outside"),
+                                 ([14], 3, "outside"), ([0, 2, 3], 2, "double free")]:
+        with pytest.raises(ValueError, match=match):
+            alloc.free_starts(starts, count)
+        alloc.check_invariants()
+        assert alloc.free_runs() == [(4, 2)], (starts, count)
+    alloc.free_starts([], 3)
+    alloc.free_starts([8, 10, 6], 2)  # touching runs, out of order: one extent with (4, 2)
+    assert alloc.free_runs() == [(4, 8)]
