@@ -26,7 +26,8 @@ def test_quick_run_reports_every_size_against_memcpy(tmp_path):
     assert list(result["sizes"]) == ["16KiB", "64KiB", "256KiB"]
     for label, row in result["sizes"].items():
         # stream: the daemon's own streaming copy in the ceiling's loop (the test build has it)
-        for name in ("put_gbs", "get_gbs", "memcpy_gbs", "stream_gbs", "put_ratio", "get_ratio"):
+        for name in ("put_gbs", "get_gbs", "memcpy_gbs", "stream_gbs", "put_ratio", "get_ratio",
+                     "put_ratio_median", "get_ratio_median"):
             assert row[name] > 0, (label, name, row)
         assert row["put_ratio"] == pytest.approx(row["put_gbs"] / row["memcpy_gbs"])
         assert row["items_per_request"] >= 4
