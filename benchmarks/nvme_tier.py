@@ -156,7 +156,8 @@ class Daemon:
         raise RuntimeError("the daemon never settled")
 
     def recovery_line(self) -> str:
-        lines = re.findall(r"NVMe tier .*chunks recovered in .*", self.log_path.read_text())
+        lines = re.findall(r"NVMe tier .*chunks recovered from .* in [0-9.]+ s.*",
+                           self.log_path.read_text())
         return lines[-1] if lines else ""
 
 
@@ -378,7 +379,7 @@ def bench_restart(workdir: Path, base: Path, n_chunks: int, io_threads: int,
             full_times.append(full.start())
             assert full.stats()["tiers"]["nvme"]["chunks"] == indexed
             full.stop()
-            found = re.search(r"recovered in ([0-9.]+) s", full.recovery_line())
+            found = re.search(r" in ([0-9.]+) s \(O_DIRECT", full.recovery_line())
             recovery_s.append(float(found.group(1)) if found else float("nan"))
             empty_times.append(empty.start())
             empty.stop()

@@ -51,6 +51,8 @@ def test_quick_run_writes_interleaved_pairs_with_median_and_min_ratios(tmp_path)
         for raw in raws:
             assert raw["write_disk"]["write_mib"] >= raw["bytes"] / 2**20
     assert result["restart"]["indexed_chunks"] >= 300
+    # the daemon's own recovery line was found and read on every start (its wording is the log's)
+    assert all(s >= 0 for s in result["restart"]["recovery_log_s"]), result["restart"]
     assert "ratio med" in done.stdout and "raw self min" in done.stdout  # the tables
     assert "busy/depth" in done.stdout
     assert not list((tmp_path / "disk").iterdir()), "the benchmark left files behind"
