@@ -338,11 +338,81 @@ static PyObject *take_at(PyObject *self, PyObject *args) {
     return out;
 }
 
+PyDoc_STRVAR(same_at_doc,
+"same_at(column, slots) -> value | None\n--\n\n"
+"column[slots[0]] when column holds that same value at every slot of slots, else None (None for\n"
+"no slots): take_at's answer for a batch of one value, without a list of it. column as for put_at\n"
+"(list items compared with ==); every slot is checked first.");
+
+static PyObject *same_at(PyObject *self, PyObject *args) {
+    PyObject *column, *slots_arg;
+    if (!PyArg_ParseTuple(args, "OO:same_at", &column, &slots_arg)) {
+        return NULL;
+    }
+    Py_ssize_t *slots = NULL;
+    if (PyList_CheckExact(column)) {
+        Py_ssize_t n = slots_of(slots_arg, PyList_GET_SIZE(column), &slots);
+        if (n < 0) {
+            return NULL;
+        }
+        PyObject *first = n ? PyList_GET_ITEM(column, slots[0]) : NULL;
+        for (Py_ssize_t i = 1; first != NULL && i < n; i++) {
+            PyObject *value = PyList_GET_ITEM(column, slots[i]);
+            if (value == first) {
+                continue;
+            }
+            int same = PyObject_RichCompareBool(value, first, Py_EQ);
+            if (same < 0) {
+                PyMem_Free(slots);
+                return NULL;
+            }
+            if (!same) {
+                first = NULL;
+            }
+        }
+        PyMem_Free(slots);
+        if (first == NULL) {
+            Py_RETURN_NONE;
+        }
+        Py_INCREF(first);
+        return first;
+    }
+    Py_buffer view;
+    if (column_buffer(column, &view) < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = slots_of(slots_arg, view.len / view.itemsize, &slots);
+    if (n < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    int same = n > 0;
+    unsigned long long first = 0;
+    for (Py_ssize_t i = 0; same && i < n; i++) {
+        unsigned long long v =
+            view.itemsize == 1 ? ((const unsigned char *)view.buf)[slots[i]]
+            : view.itemsize == 4 ? ((const uint32_t *)view.buf)[slots[i]]
+                                 : ((const uint64_t *)view.buf)[slots[i]];
+        if (i == 0) {
+            first = v;
+        } else if (v != first) {
+            same = 0;
+        }
+    }
+    PyMem_Free(slots);
+    PyBuffer_Release(&view);
+    if (!same) {
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromUnsignedLongLong(first);
+}
+
 static PyMethodDef methods[] = {
     {"put_at", put_at, METH_VARARGS, put_at_doc},
     {"fill_at", fill_at, METH_VARARGS, fill_at_doc},
     {"put_records_at", put_records_at, METH_VARARGS, put_records_at_doc},
     {"take_at", take_at, METH_VARARGS, take_at_doc},
+    {"same_at", same_at, METH_VARARGS, same_at_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -98,21 +98,32 @@ class PageAllocator:
         return list(zip(self.allocate_starts(count, n), repeat(count)))
 
     def allocate_starts(self, count: int, n: int) -> list[int]:
-        """``allocate_many`` as the runs' first pages alone (each run is ``count`` pages): a PUT
-        batch's reservations want no tuple per chunk."""
+        """``allocate_many`` as the runs' first pages alone (each run is ``count`` pages)."""
+        out: list[int] = []
+        for first, runs in self.allocate_extents(count, n):
+            out.extend(range(first, first + runs * count, count))
+        return out
+
+    def allocate_extents(self, count: int, n: int) -> list[tuple[int, int]]:
+        """``allocate_many`` as the stretches it cut them from: ``(first page, runs)`` for each
+        stretch of ``runs`` runs of ``count`` pages side by side, in order (one stretch for most
+        batches): a PUT batch's reservations build their first pages and arena offsets from
+        these with a ``range`` each, no int computed per chunk in Python."""
         if count <= 0:
             raise ValueError(f"page count must be positive, got {count}")
         starts, lengths = self._starts, self._lengths
-        out: list[int] = []
+        out: list[tuple[int, int]] = []
+        placed = 0
         i = 0
-        while len(out) < n and i < len(lengths):
+        while placed < n and i < len(lengths):
             length = lengths[i]
             if length < count:
                 i += 1
                 continue
-            take = min(n - len(out), length // count)
+            take = min(n - placed, length // count)
             start, used = starts[i], take * count
-            out.extend(range(start, start + used, count))
+            out.append((start, take))
+            placed += take
             if used == length:
                 del starts[i], lengths[i]
             else:
@@ -157,9 +168,10 @@ class PageAllocator:
 
     def free_starts(self, starts: Sequence[int], counts: Sequence[int] | int) -> None:
         """``free_many`` of the runs ``zip(starts, counts)``; ``counts`` one int where every run
-        has that many pages (a DELETE of one chunk size). Then the batch is checked as a whole
-        before any page is freed, and a batch a PUT placed side by side (the runs touch one
-        another end to start) goes back as one run without a tuple per chunk."""
+        has that many pages (a DELETE of one chunk size). Then runs of the batch that overlap
+        one another are refused before any page is freed, and a batch a PUT placed side by side
+        (the runs touch one another end to start) goes back as one run, with no tuple per
+        chunk."""
         if not isinstance(counts, int):
             self.free_many(list(zip(starts, counts)))
             return
@@ -168,14 +180,16 @@ class PageAllocator:
         if counts <= 0:
             raise ValueError(f"run ({starts[0]}, {counts}) is outside 0..{self.num_pages}")
         ordered = sorted(starts)
-        if len(ordered) > 1 and min(map(sub, ordered[1:], ordered)) < counts:
-            self.free_many(list(zip(ordered, repeat(counts))))  # raises, naming the run
+        first, n = ordered[0], len(ordered)
+        if ordered == list(range(first, first + n * counts, counts)):  # side by side: one run
+            self._free_run(first, n * counts)
             return
-        n = len(ordered)
-        if ordered[-1] - ordered[0] == (n - 1) * counts:  # gaps of exactly ``counts``: one run
-            self._free_run(ordered[0], n * counts)
-        else:
-            self.free_many(list(zip(ordered, repeat(counts))))
+        if n > 1:
+            gaps = list(map(sub, ordered[1:], ordered))
+            if min(gaps) < counts:  # two runs of the batch overlap: refused before any is freed
+                at = next(i for i, gap in enumerate(gaps) if gap < counts) + 1
+                raise ValueError(f"double free of pages ({ordered[at]}, {counts})")
+        self.free_many(list(zip(ordered, repeat(counts))))
 
     def _free_run(self, start: int, count: int) -> None:
         if count <= 0 or start < 0 or start + count > self.num_pages:

@@ -1,5 +1,5 @@
 """A batch's reads and writes of the compact index's columns at scattered slots: ``take_at``,
-``put_at``, ``fill_at``, ``put_records_at``.
+``same_at``, ``put_at``, ``fill_at``, ``put_records_at``.
 
 Why: a PUT batch that reuses freed slots writes six columns at thousands of scattered slots
 (``BatchEdits.add_pending``), a DELETE two, a commit two; as a Python loop that was ~0.2 µs of the
@@ -23,6 +23,15 @@ def take_at_python(column: Sequence, slots: Sequence[int]) -> list | bytes:
     values = map(column.__getitem__, slots)
     one_byte = isinstance(column, bytearray) or getattr(column, "itemsize", 0) == 1
     return bytes(values) if one_byte else list(values)
+
+
+def same_at_python(column: Sequence, slots: Sequence[int]) -> Any:
+    """``column[slots[0]]`` when the column holds that value at every slot, else None (None for
+    no slots)."""
+    values = take_at_python(column, slots)
+    if not len(values) or values.count(values[0]) != len(values):
+        return None
+    return values[0]
 
 
 def put_at_python(column: MutableSequence, slots: Sequence[int], values: Sequence[Any]) -> None:
@@ -50,9 +59,9 @@ def put_records_at_python(buffer: bytearray, slots: Sequence[int], records: Sequ
 
 
 try:
-    from kvtierd.tiers._columns import fill_at, put_at, put_records_at, take_at
+    from kvtierd.tiers._columns import fill_at, put_at, put_records_at, same_at, take_at
     NATIVE = "compiled"
 except ImportError:  # built without a C compiler (setup.py: the extension is optional)
     put_at, fill_at, put_records_at = put_at_python, fill_at_python, put_records_at_python
-    take_at = take_at_python
+    take_at, same_at = take_at_python, same_at_python
     NATIVE = "python"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 from kvtierd.protocol import Status
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, pending_entry
 from kvtierd.tiers.compact_index import ACTIVE, MULTI, VERIFIED
-from kvtierd.tiers.columns import take_at
+from kvtierd.tiers.columns import same_at, take_at
 from kvtierd.tiers.index_db import IndexRow
 from kvtierd.tiers.index_parts import KeySpace
 
@@ -286,15 +286,17 @@ class CpuBatchOps:
                 or (index.reads and not index.reads.keys().isdisjoint(slots))):
             return None
         fp = index.fingerprint_id(fingerprint)
-        if not index.fingerprint_covers_all(fp) and take_at(index.fp_column, slots).count(fp) != n:
+        if not index.fingerprint_covers_all(fp) and same_at(index.fp_column, slots) != fp:
             return None
-        if take_at(index.nbytes_column, slots) != list(sizes):
+        one_size = sizes.count(sizes[0]) == n  # most batches: compared without a list
+        if (same_at(index.nbytes_column, slots) != sizes[0] if one_size
+                else take_at(index.nbytes_column, slots) != list(sizes)):
             return None
         if 1 in take_at(index.flags, slots).translate(_NOT_HELD_BY_SLOT):
             return None
         index.reads.update(zip(slots, repeat(1)))
         page = self.page_bytes
-        if sizes.count(sizes[0]) == n:  # one chunk size (most batches)
+        if one_size:
             pages = n * (-(-sizes[0] // page) or 1)
         else:
             pages = sum([-(-nbytes // page) or 1 for nbytes in sizes])

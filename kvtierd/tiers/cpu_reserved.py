@@ -44,14 +44,20 @@ class CpuReservedOps:
                 or len(set(keys)) != len(keys)
                 or (found is not None and not found.keys.keys().isdisjoint(keys))):
             return [], []
-        starts = self.allocator.allocate_starts(pages, len(keys))
-        if not starts:
+        extents = self.allocator.allocate_extents(pages, len(keys))
+        if not extents:
             return [], []
+        starts: list[int] = []
+        offsets: list[int] = []
+        page = self.page_bytes
+        for first, runs in extents:  # first pages and arena offsets, a range per stretch
+            starts.extend(range(first, first + runs * pages, pages))
+            offsets.extend(range(first * page, (first + runs * pages) * page, pages * page))
         placed = len(starts)
         slots = index.add_pending(space, fingerprint, keys[:placed] if placed < len(keys)
                                   else keys, [nbytes] * placed, starts, by_slot=True)
         self._count_placed(space, placed, pages)
-        return slots, list(map(self.page_bytes.__mul__, starts))
+        return slots, offsets
 
     def commit_slots(self: CpuTier, space: tuple, fingerprint: str, keys: Sequence[bytes],
                      slots: list[int], checksums: Sequence[bytes], nbytes: int) -> None:

@@ -16,7 +16,7 @@ from collections import deque
 from itertools import repeat
 from typing import Sequence
 
-from kvtierd.tiers.columns import fill_at, put_at, put_records_at, take_at
+from kvtierd.tiers.columns import fill_at, put_at, put_records_at, same_at, take_at
 from kvtierd.tiers.index_parts import (ACTIVE, CHECKSUM_BYTES, MULTI, SUMMED, USED, VERIFIED,
                                        KeySpace)
 
@@ -37,8 +37,7 @@ class BatchEdits:
             return None
         if 1 in take_at(self._flags, slots).translate(_NOT_PLAIN):
             return None
-        if not self.fingerprint_covers_all(fp) and take_at(self._fp, slots).count(fp) != len(
-                slots):
+        if not self.fingerprint_covers_all(fp) and same_at(self._fp, slots) != fp:
             return None
         if self.reads and not self.reads.keys().isdisjoint(slots):
             return None
@@ -53,13 +52,13 @@ class BatchEdits:
         pages and page counts, in slot order (the counts one int where every chunk has the same
         size: ``PageAllocator.free_starts`` takes both forms), and the pages they hold."""
         page, starts = self.page_bytes, take_at(self._start, slots)
-        sizes = take_at(self._nbytes, slots)
+        size = same_at(self._nbytes, slots)
         counts: list[int] | int
-        if sizes.count(sizes[0]) == len(sizes):  # one chunk size (most batches)
-            counts = -(-sizes[0] // page) or 1
+        if size is not None:  # one chunk size (most batches)
+            counts = -(-size // page) or 1
             total = counts * len(slots)
         else:
-            counts = [-(-nbytes // page) or 1 for nbytes in sizes]
+            counts = [-(-nbytes // page) or 1 for nbytes in take_at(self._nbytes, slots)]
             total = sum(counts)
         deque(map(found.keys.__delitem__, keys), 0)  # every del in C; raises on a missing key
         fill_at(self._keys, slots, None)

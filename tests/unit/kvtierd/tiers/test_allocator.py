@@ -217,13 +217,14 @@ def test_free_starts_frees_what_free_many_frees(seed):
         assert starts.free_runs() == many.free_runs() and starts.free_pages == many.free_pages
 
 
-def test_free_starts_refuses_double_and_bad_runs_before_freeing_any():
+def test_free_starts_refuses_overlapping_and_bad_runs_before_freeing_any():
     alloc = PageAllocator(16)
     alloc.allocate(16)
     alloc.free([(4, 2)])
     for starts, count, match in [([0, 1], 2, "double free"), ([8, 8], 1, "double free"),
                                  ([3], 2, "double free"), ([9, 10], 0, "outside"),
-                                 ([14], 3, "outside"), ([0, 2, 3], 2, "double free")]:
+                                 ([14], 3, "outside"), ([0, 2, 3], 2, "double free"),
+                                 ([0, 8, 9], 2, "double free")]:
         with pytest.raises(ValueError, match=match):
             alloc.free_starts(starts, count)
         alloc.check_invariants()
@@ -231,3 +232,15 @@ def test_free_starts_refuses_double_and_bad_runs_before_freeing_any():
     alloc.free_starts([], 3)
     alloc.free_starts([8, 10, 6], 2)  # touching runs, out of order: one extent with (4, 2)
     assert alloc.free_runs() == [(4, 8)]
+
+
+def test_allocate_extents_are_the_stretches_of_allocate_many():
+    a, b = PageAllocator(64), PageAllocator(64)
+    for alloc in (a, b):  # free holes of 5, 7 and 14 pages
+        alloc.allocate(64)
+        alloc.free([(0, 5), (10, 7), (40, 14)])
+    extents = b.allocate_extents(3, 8)
+    assert extents == [(0, 1), (10, 2), (40, 4)]
+    assert [(first + k * 3, 3) for first, runs in extents for k in range(runs)] == \
+        a.allocate_many(3, 8)
+    assert a.free_runs() == b.free_runs() == [(3, 2), (16, 1), (52, 2)]

@@ -17,7 +17,7 @@ from array import array
 import pytest
 
 from kvtierd.tiers import columns
-from kvtierd.tiers._columns import fill_at, put_at, put_records_at, take_at
+from kvtierd.tiers._columns import fill_at, put_at, put_records_at, same_at, take_at
 
 N = 500
 
@@ -75,6 +75,25 @@ def test_take_matches_the_python_map(kind):
         assert list(got) == [column[slot] for slot in slots]
 
 
+@pytest.mark.parametrize("kind", ["list", "bytearray", "I", "Q"])
+def test_same_at_is_the_one_value_take_at_finds(kind):
+    """Batches of one value (filled so) and of several, at scattered and repeated slots: the
+    value, or None, as the Python form says, and as take_at's list says."""
+    rng = random.Random(kind)
+    column, _ = fresh(kind, rng)
+    value = value_of(kind, rng)
+    for _ in range(100):
+        slots = [rng.randrange(N) for _ in range(rng.randint(0, 60))]
+        if rng.random() < 0.5:
+            fill_at(column, slots, value)
+        values = list(take_at(column, slots))
+        want = values[0] if values and values.count(values[0]) == len(values) else None
+        assert same_at(column, slots) == want == columns.same_at_python(column, slots)
+    assert same_at(column, []) is None
+    fill_at(column, [4, 9], value)
+    assert same_at(column, [4, 9, 4]) == value
+
+
 def test_put_records_matches_the_python_loop():
     rng = random.Random(7)
     width = 16
@@ -112,6 +131,8 @@ def test_a_list_column_holds_its_new_items_and_releases_the_old():
     (lambda c: fill_at(array("d", [0.0] * 4), [0], 1), "a column of format d"),
     (lambda c: take_at(c["I"], [1, N]), f"slots\\[1\\] is {N}"),
     (lambda c: take_at(c["list"], [-3]), "slots\\[0\\] is -3"),
+    (lambda c: same_at(c["Q"], [0, N]), f"slots\\[1\\] is {N}"),
+    (lambda c: same_at(array("d", [0.0] * 4), [0]), "a column of format d"),
 ])
 def test_bad_calls_are_refused_before_anything_is_written(call, message):
     rng = random.Random(3)
