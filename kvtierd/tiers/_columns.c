@@ -14,6 +14,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -277,16 +278,26 @@ fail:
 }
 
 PyDoc_STRVAR(take_at_doc,
-"take_at(column, slots) -> list | bytes\n--\n\n"
+"take_at(column, slots, scale=1) -> list | bytes\n--\n\n"
 "[column[slot] for slot in slots]: a list, or bytes for a column of one-byte items (a bytearray:\n"
-"the index's flags). column as for put_at; every slot is checked first.");
+"the index's flags). column as for put_at; every slot is checked first. With scale > 1 (a column\n"
+"of 4- or 8-byte items only) each value comes multiplied by it: [column[slot] * scale ...], the\n"
+"arena offsets of first pages without an int per slot in Python.");
 
 static PyObject *take_at(PyObject *self, PyObject *args) {
     PyObject *column, *slots_arg;
-    if (!PyArg_ParseTuple(args, "OO:take_at", &column, &slots_arg)) {
+    unsigned long long scale = 1;
+    if (!PyArg_ParseTuple(args, "OO|K:take_at", &column, &slots_arg, &scale)) {
         return NULL;
     }
+    if (scale == 0) {
+        return PyErr_Format(PyExc_ValueError, "scale is 0; allowed: an int >= 1");
+    }
     Py_ssize_t *slots = NULL;
+    if (scale != 1 && (PyList_CheckExact(column) || PyByteArray_Check(column))) {
+        return PyErr_Format(PyExc_TypeError, "scale %llu for a column of %.80s; allowed: 1, or a "
+                            "column of 4- or 8-byte items", scale, Py_TYPE(column)->tp_name);
+    }
     if (PyList_CheckExact(column)) {
         Py_ssize_t n = slots_of(slots_arg, PyList_GET_SIZE(column), &slots);
         if (n < 0) {
@@ -325,7 +336,13 @@ static PyObject *take_at(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
             unsigned long long v = view.itemsize == 4 ? ((const uint32_t *)view.buf)[slots[i]]
                                                       : ((const uint64_t *)view.buf)[slots[i]];
-            PyObject *value = PyLong_FromUnsignedLongLong(v);
+            if (scale != 1 && v > ULLONG_MAX / scale) {
+                PyErr_Format(PyExc_OverflowError, "column[%zd] * %llu is beyond 64 bits",
+                             slots[i], scale);
+                Py_CLEAR(out);
+                break;
+            }
+            PyObject *value = PyLong_FromUnsignedLongLong(v * scale);
             if (value == NULL) {
                 Py_CLEAR(out);
                 break;

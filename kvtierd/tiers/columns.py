@@ -15,13 +15,23 @@ the first bad one (an index bug either way: the callers pass slots they took fro
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import mul
 from typing import Any, MutableSequence, Sequence
 
 
-def take_at_python(column: Sequence, slots: Sequence[int]) -> list | bytes:
-    """``[column[slot] for slot in slots]``; bytes for a column of one-byte items (the flags)."""
+def take_at_python(column: Sequence, slots: Sequence[int], scale: int = 1) -> list | bytes:
+    """``[column[slot] for slot in slots]``; bytes for a column of one-byte items (the flags).
+    With ``scale`` > 1 (a column of ints wider than a byte) each value times ``scale``."""
     values = map(column.__getitem__, slots)
     one_byte = isinstance(column, bytearray) or getattr(column, "itemsize", 0) == 1
+    if scale != 1:
+        if scale < 1:
+            raise ValueError(f"scale is {scale}; allowed: an int >= 1")
+        if one_byte or isinstance(column, list):
+            raise TypeError(f"scale {scale} for a column of {type(column).__name__}; allowed: "
+                            "1, or a column of 4- or 8-byte items")
+        return list(map(mul, values, repeat(scale)))
     return bytes(values) if one_byte else list(values)
 
 

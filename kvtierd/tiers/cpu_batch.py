@@ -13,7 +13,6 @@ of calling its per-item primitive on every item in order; the unit tests compare
 from __future__ import annotations
 
 from itertools import repeat
-from operator import mul
 from typing import TYPE_CHECKING, Sequence
 
 from kvtierd.protocol import Status
@@ -302,7 +301,7 @@ class CpuBatchOps:
             pages = sum([-(-nbytes // page) or 1 for nbytes in sizes])
         self.held_pages += pages
         self.policy.touch_many(slots, self.part_of_tenant(found.tenant))
-        offsets = list(map(mul, take_at(index.start_column, slots), repeat(page)))
+        offsets = take_at(index.start_column, slots, page)  # first pages as arena offsets
         return offsets, slots, pages
 
     def release_slots(self: CpuTier, slots: Sequence[int], pages: int) -> None:

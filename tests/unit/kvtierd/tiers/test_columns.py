@@ -75,6 +75,28 @@ def test_take_matches_the_python_map(kind):
         assert list(got) == [column[slot] for slot in slots]
 
 
+@pytest.mark.parametrize("kind", ["I", "Q"])
+def test_take_with_a_scale_multiplies_each_value(kind):
+    rng = random.Random(kind)
+    column = array(kind, [rng.randint(0, 2**20) for _ in range(N)])
+    for _ in range(50):
+        slots = [rng.randrange(N) for _ in range(rng.randint(0, 60))]
+        scale = rng.choice([1, 2, 4096, 65536])
+        want = [column[slot] * scale for slot in slots]
+        assert take_at(column, slots, scale) == want == columns.take_at_python(column, slots,
+                                                                               scale)
+    big = array("Q", [2**63])
+    with pytest.raises(OverflowError, match="beyond 64 bits"):
+        take_at(big, [0], 2)
+    for bad, error in ((bytearray(4), TypeError), ([1, 2], TypeError)):
+        for take in (take_at, columns.take_at_python):
+            with pytest.raises(error, match="scale 3 for a column"):
+                take(bad, [0], 3)
+    for take in (take_at, columns.take_at_python):
+        with pytest.raises(ValueError, match="scale is 0"):
+            take(column, [0], 0)
+
+
 @pytest.mark.parametrize("kind", ["list", "bytearray", "I", "Q"])
 def test_same_at_is_the_one_value_take_at_finds(kind):
     """Batches of one value (filled so) and of several, at scattered and repeated slots: the
