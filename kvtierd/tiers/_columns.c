@@ -294,7 +294,7 @@ static PyObject *take_at(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "scale is 0; allowed: an int >= 1");
     }
     Py_ssize_t *slots = NULL;
-    if (scale != 1 && (PyList_CheckExact(column) || PyByteArray_Check(column))) {
+    if (scale != 1 && PyList_CheckExact(column)) {
         return PyErr_Format(PyExc_TypeError, "scale %llu for a column of %.80s; allowed: 1, or a "
                             "column of 4- or 8-byte items", scale, Py_TYPE(column)->tp_name);
     }
@@ -315,6 +315,11 @@ static PyObject *take_at(PyObject *self, PyObject *args) {
     Py_buffer view;
     if (column_buffer(column, &view) < 0) {
         return NULL;
+    }
+    if (scale != 1 && view.itemsize == 1) {  /* a bytearray or array('B'): bytes, unscaled */
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_TypeError, "scale %llu for a column of %.80s; allowed: 1, or a "
+                            "column of 4- or 8-byte items", scale, Py_TYPE(column)->tp_name);
     }
     Py_ssize_t n = slots_of(slots_arg, view.len / view.itemsize, &slots);
     if (n < 0) {

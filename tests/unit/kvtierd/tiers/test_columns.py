@@ -88,7 +88,8 @@ def test_take_with_a_scale_multiplies_each_value(kind):
     big = array("Q", [2**63])
     with pytest.raises(OverflowError, match="beyond 64 bits"):
         take_at(big, [0], 2)
-    for bad, error in ((bytearray(4), TypeError), ([1, 2], TypeError)):
+    for bad, error in ((bytearray(4), TypeError), (array("B", [1, 2]), TypeError),
+                       ([1, 2], TypeError)):
         for take in (take_at, columns.take_at_python):
             with pytest.raises(error, match="scale 3 for a column"):
                 take(bad, [0], 3)
