@@ -17,11 +17,11 @@ Why batched touches and the rewrite look the way they do: a 1024-key LOOKUP of a
 touches every hit, and py-spy showed the touches and the rewrites they cause at a third of the
 handler (issue 12). So a batch stamps its members in one tight loop (membership read from a
 bytearray: no int object built per test, as reading a 32-bit stamp builds one), logs them with
-one ``extend`` (and the partition log with one ``range``), and a rewrite is three passes over
-the slabs with no per-entry test in Python (still ~0.2 s at a million chunks on the 2-core test
-machine: every element it reads becomes an int object); tolerating three times the live entries
-as garbage instead of once makes it run a third as often, for at most 8 more bytes a chunk
-between rewrites.
+one ``extend`` (and the partition log with one ``range``), and a rewrite is a few C loops over
+the slabs (``_stamps``: as Python passes, which read every element as an int object, it took
+~0.2 s of the request loop at a million chunks on the 2-core test machine); tolerating three
+times the live entries as garbage instead of once makes it run a third as often, for at most 8
+more bytes a chunk between rewrites.
 
 Positions are 32-bit: a rewrite renumbers them from 0 before they run out, so a tier may hold up
 to ~1.4 billion chunks.
@@ -30,7 +30,6 @@ to ~1.4 billion chunks.
 from __future__ import annotations
 
 from array import array
-from itertools import compress
 from typing import Iterable, Iterator
 
 from kvtierd.eviction.base import EvictionPolicy
@@ -79,13 +78,49 @@ def unstamp_members_python(stamp: array, member: bytearray, slots: list[int], no
     return removed
 
 
+def live_entries_python(log: array, stamp: array, positions: array | None, head: int) -> bytes:
+    """The live entries of ``log`` as 32-bit slots: ``log[pos]`` for each ``pos >= head`` (or,
+    with ``positions``, each position in ``positions[head:]``) whose slot is stamped ``pos``."""
+    nlog, nstamp = len(log), len(stamp)
+    at = range(head, nlog) if positions is None else positions[head:]
+    kept = array("I")
+    for pos in at:
+        if pos < nlog:
+            slot = log[pos]
+            if slot < nstamp and stamp[slot] == pos:
+                kept.append(slot)
+    return kept.tobytes()
+
+
+def renumber_python(stamp: array, slots: array) -> None:
+    """``stamp[slots[i]] = i`` for every i; a slot out of range writes nothing."""
+    for i, slot in enumerate(slots):
+        if slot >= len(stamp):
+            raise IndexError(f"slots[{i}] is {slot}; the policy has {len(stamp)} slots")
+    for i, slot in enumerate(slots):
+        stamp[slot] = i
+
+
+def stamps_at_python(stamp: array, slots: array) -> bytes:
+    """``stamp[slot]`` for every slot, as 32-bit values."""
+    return array("I", map(stamp.__getitem__, slots)).tobytes()
+
+
 try:  # the same loops compiled (setup.py; optional): a batch's stamps in one call
-    from kvtierd.eviction._stamps import stamp_inserted, stamp_members, unstamp_members
+    from kvtierd.eviction._stamps import (live_entries, renumber, stamp_inserted, stamp_members,
+                                          stamps_at, unstamp_members)
     NATIVE = "compiled"
 except ImportError:
     stamp_members, stamp_inserted = stamp_members_python, stamp_inserted_python
     unstamp_members = unstamp_members_python
+    live_entries, renumber, stamps_at = live_entries_python, renumber_python, stamps_at_python
     NATIVE = "python"
+
+
+def _u32(raw: bytes) -> array:
+    column = array("I")
+    column.frombytes(raw)
+    return column
 
 
 class LRUPolicy(EvictionPolicy):
@@ -242,30 +277,21 @@ class LRUPolicy(EvictionPolicy):
                 yield slot
 
     def _rewrite(self) -> None:
-        """Drop every garbage entry and renumber positions from 0, keeping the order. Live
-        positions are marked from the members' stamps (``compress`` skips the others in C), the
-        log is filtered by that mask in C and the stamps renumbered in one tight loop (each
-        measured faster than its ``map`` form): the log holds up to four entries per live slot,
-        and every LOOKUP hit adds one (the old one turns garbage)."""
+        """Drop every garbage entry and renumber positions from 0, keeping the order: each
+        partition's live entries (read through the old stamps), then the main log's, are kept in
+        one loop each (``live_entries``), the stamps renumbered in one (``renumber``) and each
+        partition's positions read back from them (``stamps_at``). The log holds up to four
+        entries per live slot, and every LOOKUP hit adds one (the old one turns garbage)."""
         stamp, log = self._stamp, self._log
-        live_mask = bytearray(len(log))  # 1 where log[pos] is live (the garbage prefix: 0)
-        for pos in compress(stamp, self._member):
-            live_mask[pos] = 1
         live_parts: dict[int, array] = {}
         for part, plog in self._parts.items():
-            positions = plog[self._part_heads[part]:]
-            slots = array("I", map(log.__getitem__,
-                                   compress(positions, map(live_mask.__getitem__, positions))))
+            slots = _u32(live_entries(log, stamp, plog, self._part_heads[part]))
             if slots:
                 live_parts[part] = slots
-        live = array("I", compress(log, live_mask))
-        pos = 0
-        for slot in live:
-            stamp[slot] = pos
-            pos += 1
+        live = _u32(live_entries(log, stamp, None, self._head))
+        renumber(stamp, live)
         self._log, self._head = live, 0
-        self._parts = {part: array("I", map(stamp.__getitem__, slots))
-                       for part, slots in live_parts.items()}
+        self._parts = {part: _u32(stamps_at(stamp, slots)) for part, slots in live_parts.items()}
         self._part_heads = dict.fromkeys(self._parts, 0)
         self.rewrites += 1
 

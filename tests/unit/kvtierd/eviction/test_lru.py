@@ -8,7 +8,8 @@ import pytest
 from kvtierd.eviction import POLICIES, LRUPolicy, lru, make_policy
 from kvtierd.eviction.lru import _GARBAGE
 
-LOOPS = ("stamp_members", "stamp_inserted", "unstamp_members")
+LOOPS = ("stamp_members", "stamp_inserted", "unstamp_members", "live_entries", "renumber",
+         "stamps_at")
 
 
 @pytest.fixture(autouse=True, params=["compiled", "python"])
