@@ -35,7 +35,7 @@ import msgpack
 import zmq
 
 from kvtierd.protocol import PROTOCOL_VERSION, Op
-from raw_session import Session
+from raw_session import Session, session_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"16KiB": 16 * 1024, "64KiB": 64 * 1024}
@@ -125,7 +125,7 @@ def main() -> int:
             work = Path(tempfile.mkdtemp(prefix="kvtier-cpi-"))
             dirs.append(work)
             daemons[name] = start_daemon(code, work)
-            sessions[name] = Session(daemons[name][1], batch_bytes)
+            sessions[name] = session_for(code, daemons[name][1], batch_bytes)
         samples: dict = {}
         for r in range(rounds):
             for label, size in SIZES.items():

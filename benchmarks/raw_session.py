@@ -1,11 +1,19 @@
 """A raw benchmark client: one DEALER and one filled memfd staging buffer (handed over by the
 staging handshake) — what KVTierClient does, without the KV-cache copies, so that a benchmark times
 the daemon alone. Shared by the benchmarks (run as scripts, so this file sits beside them on
-``sys.path``)."""
+``sys.path``).
+
+``ShmSession`` speaks protocol 1 (staging named by a /dev/shm file in HELLO), so that a benchmark
+can drive a checkout from before the memfd handshake (e.g. the code issue 12 was measured on) in
+the same run as this one; ``session_for`` picks the session a checkout's daemon speaks."""
 
 from __future__ import annotations
 
+import mmap
 import os
+import re
+import uuid
+from pathlib import Path
 
 import msgpack
 import torch
@@ -53,3 +61,66 @@ class Session:
         finally:
             self.sock.close(linger=0)
             self.staging.close()
+
+
+class ShmSession(Session):
+    """Protocol 1's raw session: the staging buffer is a /dev/shm file named in HELLO (the daemon
+    maps it; the file is unlinked once HELLO is answered, as that protocol's client did)."""
+
+    def __init__(self, address: str, nbytes: int, namespace: str = "bench",
+                 fingerprint: str = "bench") -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.version = 1
+        self.next_id = 1
+        name = f"kvtier-stg-bench-{uuid.uuid4().hex}"
+        path = Path("/dev/shm") / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes)
+            self._map[:] = os.urandom(nbytes)
+            self.call(Op.HELLO, namespace=namespace, rank=0, fingerprint=fingerprint,
+                      staging={"kind": "shm", "name": name, "nbytes": nbytes})
+        finally:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+
+    def call(self, op: Op, **fields) -> dict:
+        self.next_id += 1
+        self.sock.send(msgpack.packb({"v": self.version, "op": int(op), "id": self.next_id,
+                                      **fields}))
+        while True:
+            header = msgpack.unpackb(self.sock.recv_multipart()[0])
+            if header["id"] == self.next_id:
+                if header["status"] != 0:
+                    raise RuntimeError(f"{op.name}: {header['name']}: {header['message']}")
+                return header
+
+    def close(self) -> None:
+        try:
+            self.call(Op.BYE)
+        finally:
+            self.sock.close(linger=0)
+            self._map.close()
+
+
+def protocol_of(code_dir: Path) -> int:
+    """The protocol version the kvtierd checkout in ``code_dir`` speaks (its protocol module)."""
+    text = (Path(code_dir) / "kvtierd" / "protocol.py").read_text()
+    found = re.search(r"^PROTOCOL_VERSION = (\d+)$", text, re.MULTILINE)
+    if found is None:
+        raise RuntimeError(f"{code_dir}: no PROTOCOL_VERSION in kvtierd/protocol.py")
+    return int(found.group(1))
+
+
+def session_for(code_dir: Path, address: str, nbytes: int) -> Session:
+    """A raw session of the protocol the daemon of ``code_dir`` speaks: this one's, or 1."""
+    version = protocol_of(code_dir)
+    if version == PROTOCOL_VERSION:
+        return Session(address, nbytes)
+    if version == 1:
+        return ShmSession(address, nbytes)
+    raise RuntimeError(f"{code_dir} speaks protocol {version}: this benchmark speaks "
+                       f"{PROTOCOL_VERSION} and 1")
