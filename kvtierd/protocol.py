@@ -159,8 +159,45 @@ class ProtocolError(Exception):
         self.message = message
 
 
+#: A ``results`` list at least this long is packed from its bytes (``pack``).
+RESULTS_AS_BYTES_MIN = 32
+
+
 def pack(header: dict[str, Any]) -> bytes:
+    """``header`` as msgpack. A long ``results`` list (a batch reply's per-item statuses) whose
+    every value is an int in 0..127 is written as its array header and one byte per status,
+    which is how msgpack encodes such ints (positive fixints): the same bytes as ``packb``, but
+    one C conversion instead of an object walk per status (44 µs for a 4096-item reply, a tenth
+    of a DELETE's loop time at 16 KiB). Anything else goes through ``packb`` as it is."""
+    results = header.get("results")
+    if type(results) is list and len(results) >= RESULTS_AS_BYTES_MIN:
+        raw = _fixints(results)
+        if raw is not None:
+            return _pack_with_results(header, raw)
     return msgpack.packb(header, use_bin_type=True)
+
+
+def _fixints(values: list) -> bytes | None:
+    """``values`` as one byte each if every one is an int (never a bool: statuses are ints) in
+    0..127; else None."""
+    try:
+        raw = bytes(values)
+    except (TypeError, ValueError):  # not an int, or outside 0..255
+        return None
+    return raw if raw.isascii() else None
+
+
+def _pack_with_results(header: dict[str, Any], raw: bytes) -> bytes:
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [packer.pack_map_header(len(header))]
+    for key, value in header.items():
+        parts.append(packer.pack(key))
+        if key == "results":
+            parts.append(packer.pack_array_header(len(raw)))
+            parts.append(raw)
+        else:
+            parts.append(packer.pack(value))
+    return b"".join(parts)
 
 
 def unpack(frame: bytes, max_bytes: int) -> dict[str, Any]:

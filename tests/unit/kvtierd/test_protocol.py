@@ -9,6 +9,7 @@ from kvtierd.protocol import (
     MAX_HANDSHAKE_BYTES,
     MAX_KEY_BYTES,
     PROTOCOL_VERSION,
+    RESULTS_AS_BYTES_MIN,
     STAGING_KINDS,
     STORED,
     TICKET_BYTES,
@@ -108,3 +109,25 @@ def test_unpack_refuses_oversize_before_decoding():
 def test_status_name():
     assert status_name(0) == "OK" and status_name(19) == "CHECKSUM_MISMATCH"
     assert status_name(999) == "UNKNOWN_STATUS_999"
+
+
+def test_pack_writes_long_status_lists_as_msgpack_does():
+    """A reply's long ``results`` list of small ints is packed from its bytes: the same bytes as
+    msgpack's own packing, for every length around the threshold and every status value, and
+    lists it cannot write that way (a value past 127, negative, not an int) go through packb."""
+    rng = random.Random(5)
+    lengths = [0, 1, RESULTS_AS_BYTES_MIN - 1, RESULTS_AS_BYTES_MIN, 4096]
+    for n in lengths:
+        for values in ([0] * n, [rng.randrange(128) for _ in range(n)],
+                       [int(rng.choice(list(Status))) for _ in range(n)],
+                       [rng.choice(list(Status)) for _ in range(n)]):
+            header = reply(7, Status.OK, results=values, errors=[[1, "x"]] if n else [])
+            assert pack(header) == msgpack.packb(header, use_bin_type=True)
+            assert unpack(pack(header), 1 << 20)["results"] == values
+    for odd in (128, 255, 256, -1, "0", None, 1.0, b"\x00"):
+        values = [0] * RESULTS_AS_BYTES_MIN + [odd]
+        header = reply(7, Status.OK, results=values, errors=[])
+        assert pack(header) == msgpack.packb(header, use_bin_type=True)
+    # the results key anywhere in the map: the other fields keep their order and bytes
+    header = {"results": [1] * 40, "v": 2, "id": b"\xff" * 3, "nested": {"results": [1] * 40}}
+    assert pack(header) == msgpack.packb(header, use_bin_type=True)
