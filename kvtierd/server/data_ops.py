@@ -362,7 +362,7 @@ class DataOps(JobCompletions):
         return Batch(session, op, header.get("id"), time.perf_counter(), [0] * count, [])
 
     def _queue(self, batch: Batch, target: int) -> JobQueue:
-        return JobQueue(partial(self._submit, batch), target)
+        return JobQueue(partial(self._submit, batch), target, self.cfg.copy_threads)
 
     def _built(self, batch: Batch, queue: JobQueue) -> dict | None:
         """The handler added every item: submit the last job; the reply now, or None (later)."""

@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Sequence
 
 from kvtierd.protocol import Status
-from kvtierd.server.batch import Batch, JobQueue, SlotReads, SlotWrites
+from kvtierd.server.batch import (LARGE_JOB_BYTES, Batch, JobQueue, SlotReads, SlotWrites,
+                                  job_bounds)
 from kvtierd.server.sessions import SessionTable
 from kvtierd.tiers.cpu import CpuTier
 
@@ -35,16 +36,17 @@ class Checked:
                  sizes: Sequence[int]) -> None:
         self.index, self.keys, self.offsets, self.sizes = index, keys, offsets, sizes
 
-    def groups(self, target: int) -> Iterator[Checked]:
-        """About one copy job of ``target`` bytes each (batches are one chunk size): slices of
-        the columns, no tuple per item."""
+    def groups(self, target: int, lead: int = 0) -> Iterator[Checked]:
+        """One copy job each (batches are one chunk size): slices of the columns, no tuple per
+        item. The first ``lead`` jobs (one per copy thread) of about ``target`` bytes, the rest
+        in as few as keep ``lead`` threads busy (``job_bounds``); ``lead`` 0: all of ``target``."""
         n = len(self.keys)
-        step = max(1, target // max(1, self.sizes[0]))
+        size = max(1, self.sizes[0])
+        step = max(1, target // size)
         if step >= n:
             yield self
             return
-        for first in range(0, n, step):
-            end = first + step
+        for first, end in job_bounds(n, step, lead, LARGE_JOB_BYTES // size):
             yield Checked(self.index[first:end], self.keys[first:end],
                           self.offsets[first:end], self.sizes[first:end])
 
@@ -66,7 +68,7 @@ def reserve_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: Checked,
     ``reserve`` per item would."""
     session = batch.session
     space, fingerprint, owner = session.space, session.fingerprint, session.id
-    for group in items.groups(queue.target):
+    for group in items.groups(queue.target, queue.lead):
         index, keys, offsets, sizes = group.index, group.keys, group.offsets, group.sizes
         nbytes = sizes[0]
         if submit_writes is not None and sizes.count(nbytes) == len(sizes):
@@ -109,7 +111,7 @@ def get_items(tier: CpuTier, batch: Batch, queue: JobQueue, items: Checked,
     completing inline could let an eviction take a chunk that is neither leased nor acquired."""
     session = batch.session
     results = batch.results
-    for group in items.groups(queue.target):
+    for group in items.groups(queue.target, queue.lead):
         index, keys, offsets, sizes = group.index, group.keys, group.offsets, group.sizes
         if session.leases:  # a GET consumes the lease
             for key in keys:
