@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.vllm_engine import drive
+from helpers.vllm_engine import assert_close, drive
 
 pytestmark = pytest.mark.vllm
 
@@ -33,9 +33,12 @@ def test_engine_keeps_serving_when_the_daemon_is_down(tmp_path):
 def test_kvtier_connector_hands_failed_loads_to_vllms_recompute(tmp_path, daemon_factory):
     # The chunks vanish between lookup and load (test switch: as if evicted), so every load fails;
     # with KVTierConnector and kv_load_failure_policy=recompute vLLM recomputes those blocks. The
-    # second engine is a fresh process: its blocks never held this prompt's KV.
+    # second engine is a fresh process: its blocks never held this prompt's KV. float32, as in
+    # tests/vllm/conftest.py: the recompute runs the prefill in other batch shapes than round A,
+    # and in bf16 that moved one logprob by one ulp of a logit (3.9e-3) on some machines.
     daemon = daemon_factory()
     common = dict(kind="llama", model_dir=str(tmp_path / "model"), address=daemon.address,
+                  dtype="float32",
                   connector={"kv_connector": "KVTierConnector",
                              "kv_connector_module_path": "kvtier_client.vllm",
                              "kv_load_failure_policy": "recompute"})
@@ -43,4 +46,5 @@ def test_kvtier_connector_hands_failed_loads_to_vllms_recompute(tmp_path, daemon
     f = drive(tmp_path, "fail", **common, rounds=[
         {"name": "F", "env": {"KVTIER_TEST_DROP_BEFORE_LOAD": "1"}}])["rounds"]["F"]
     assert f["external_hits"] > 0  # the scheduler counted on kvtierd, the loads then failed
-    assert f["tokens"] == a["tokens"] and f["logprobs"] == a["logprobs"]
+    assert f["tokens"] == a["tokens"]
+    assert_close(f["logprobs"], a["logprobs"])
