@@ -64,7 +64,7 @@ def make_model(kind: str, out: Path) -> None:
             **{**COMMON, "head_dim": 64},
             layer_types=["linear_attention"] * 3 + ["full_attention"],
             linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-            linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=64,
+            linear_num_key_heads=2, linear_num_value_heads=2, moe_intermediate_size=64,
             shared_expert_intermediate_size=64, num_experts_per_tok=2, num_experts=4))
     else:
         raise ValueError(f"unknown model kind {kind!r}")
