@@ -459,6 +459,7 @@ class DataOps(JobCompletions):
     def _reply_if_done(self, batch: Batch) -> dict | None:
         if not batch.done:
             return None
+        self._feed_ghosts(batch)  # what its jobs committed: one ghost call per batch, not per job
         if batch.op is Op.PUT:
             self.tier.enforce_watermarks()
         else:  # counted here, once per batch: exactly what the client is told per item

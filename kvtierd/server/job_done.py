@@ -1,8 +1,9 @@
 """What a PUT or GET copy job's completion does to its chunks, on the loop thread (``DataOps``
 mixes it in; ``on_copy_done`` calls it, then answers the batch if it is done).
 
-PUT: the job's entries are committed in one call (with their checksums), announced, fed to the
-ghosts and published below; a failed copy, or a session that ended meanwhile, aborts each item.
+PUT: the job's entries are committed in one call (with their checksums), announced, kept for the
+ghosts (fed once per batch, when its reply is built: ``DataOps._reply_if_done``) and published
+below; a failed copy, or a session that ended meanwhile, aborts each item.
 GET: the job's reads are released (by slot, or entry by entry where a chunk needed its first-read
 check or the chain counts reads for its admission filter); a chunk that failed its check is dropped
 and counted as an integrity failure, never served.
@@ -62,7 +63,6 @@ class JobCompletions:
             after_commit = self.mover.after_commit
             for entry in entries:
                 after_commit(entry)
-        self._feed_ghosts(batch)
 
     def _put_slots_done(self, batch: Batch, job: SlotWrites, digests: Any,
                         error: BaseException | None) -> None:
@@ -80,7 +80,6 @@ class JobCompletions:
         batch.ghost_keys.extend(job.keys)
         batch.ghost_nbytes.extend(job.sizes)
         self._bytes_in.inc(job.total)
-        self._feed_ghosts(batch)
 
     def _put_item_failed(self, batch: Batch, index: int, entry: ChunkEntry,
                          error: BaseException | None) -> None:

@@ -10,7 +10,7 @@ from typing import Callable, Hashable, Sequence
 from kvtierd.eviction.base import EvictionPolicy
 from kvtierd.protocol import Status
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
-from kvtierd.tiers.compact_index import ACTIVE, ChunkIndex
+from kvtierd.tiers.compact_index import ACTIVE, RESERVED, ChunkIndex
 from kvtierd.tiers.columns import take_at
 
 MISS_SLOT = -1  # lookup_slots: no READY chunk under the key
@@ -37,7 +37,7 @@ class TierIndex:
         LAYOUT_MISMATCH when it was written by another layout: never bytes for the wrong reader."""
         index = self.index
         slot = index.slot(ikey)
-        if slot < 0 or slot in index.reserved:  # not indexed, or a PUT's reservation (PENDING)
+        if slot < 0 or index.flags[slot] & RESERVED:  # not indexed, or a PUT's reservation
             return Status.MISS, None
         entry = index.entry(slot)
         if entry.state is not ChunkState.READY:
@@ -91,7 +91,7 @@ class TierIndex:
         for i, slot in enumerate(out):
             if slot < 0:
                 continue
-            if (flags[slot] & ACTIVE and active[slot].state is not ready) or slot in reserved:
+            if (flags[slot] & ACTIVE and active[slot].state is not ready) or flags[slot] & RESERVED:
                 # PENDING (an entry, or a reservation held by slot)
                 out[i] = MISS_SLOT
             elif fps[slot] != fp:

@@ -11,7 +11,8 @@ Why: one Python object graph per chunk (entry, runs list, key tuples, two Ordere
 * **compact form**: an idle READY chunk is only its slot's columns (``array`` slabs and one
   ``bytearray`` of checksums) plus its key bytes in one dict per key space.
 * **reserved**: a PUT's reservation of a new key made by slot (``CpuTier.reserve_slots``, the
-  request path's common case) is PENDING as columns alone, in ``reserved``, until its copy job
+  request path's common case) is PENDING as columns alone, flagged RESERVED (``reserved`` reads
+  them as a set), until its copy job
   commits it straight into compact READY form (``commit_reserved``) or aborts it: no entry is
   built and folded per chunk. Lookups, reads and deletes see it as PENDING (a miss, BUSY);
   whoever asks for its entry (``entry``) gets a PENDING one, which then stands for it.
@@ -40,7 +41,8 @@ from kvtierd.tiers.chunk import ChunkEntry, ChunkState, pending_entry, ready_ent
 from kvtierd.tiers.index_batch import BatchEdits
 from kvtierd.tiers.index_bulk import BulkLoad
 from kvtierd.tiers.index_parts import (  # noqa: F401 (the flags: imported from here by the tiers)
-    ACTIVE, CHECKSUM_BYTES, MULTI, ON_NVME, SUMMED, USED, VERIFIED, Interner, KeySpace)
+    ACTIVE, CHECKSUM_BYTES, MULTI, ON_NVME, RESERVED, SUMMED, USED, VERIFIED, Interner, KeySpace,
+    ReservedSlots)
 
 _READY = ChunkState.READY
 
@@ -75,10 +77,12 @@ class ChunkIndex(BulkLoad, BatchEdits):
         self.reads: dict[int, int] = {}
         self.retired: dict[int, ChunkEntry] = {}
         # PUT reservations held by slot (``CpuTier.reserve_slots``): PENDING chunks with no entry
-        # object, their columns written but no checksum yet; committed or aborted by slot by the
-        # copy job that holds them. Anyone else who asks for one (``entry``) gets a PENDING entry,
-        # which from then on is the chunk's authority (the job commits or aborts that entry).
-        self.reserved: set[int] = set()
+        # object, their columns written but no checksum yet, flagged RESERVED; committed or
+        # aborted by slot by the copy job that holds them. Anyone else who asks for one
+        # (``entry``) gets a PENDING entry, which from then on is the chunk's authority (the job
+        # commits or aborts that entry). ``reserved`` reads them as a set of slots.
+        self._reserved_count = 0
+        self.reserved = ReservedSlots(self)
 
     # -- mapping, as callers outside the tiers use it ------------------------------------------------
     def __len__(self) -> int:
@@ -133,16 +137,18 @@ class ChunkIndex(BulkLoad, BatchEdits):
         if entry is None:
             entry = self._view(slot)
             self.active[slot] = entry
-            self._flags[slot] |= ACTIVE
+            flags = self._flags[slot]
+            if flags & RESERVED:  # the reservation is this entry's from now on
+                self._reserved_count -= 1
+            self._flags[slot] = (flags | ACTIVE) & ~RESERVED
             self._loose.add(slot)
-            self.reserved.discard(slot)
         return entry
 
     def activate(self, slot: int, ikey: Hashable, fingerprint: str) -> ChunkEntry:
         """``entry(slot)`` of a *compact* slot whose key and fingerprint the caller has just
         matched (a batched lookup): the same entry, built without looking them up again."""
-        assert slot not in self.reserved, f"activate of slot {slot}, a reservation"
         flags = self._flags[slot]
+        assert not flags & RESERVED, f"activate of slot {slot}, a reservation"
         nbytes = self._nbytes[slot]
         runs = (list(self._multi[slot]) if flags & MULTI
                 else [(self._start[slot], -(-nbytes // self.page_bytes) or 1)])
@@ -162,7 +168,7 @@ class ChunkIndex(BulkLoad, BatchEdits):
         assert space is not None
         runs = (list(self._multi[slot]) if flags & MULTI
                 else [(self._start[slot], max(1, -(-nbytes // self.page_bytes)))])
-        if slot in self.reserved:
+        if flags & RESERVED:
             return pending_entry((space.space, self._keys[slot]), self._fps.values[self._fp[slot]],
                                  nbytes, runs, -1, slot)
         i = slot * CHECKSUM_BYTES
@@ -262,7 +268,7 @@ class ChunkIndex(BulkLoad, BatchEdits):
 
     @property
     def flags(self) -> bytearray:
-        """Flag bits per slot (read-only): USED, ACTIVE, ON_NVME, VERIFIED, MULTI."""
+        """Flag bits per slot (read-only): USED, ACTIVE, ON_NVME, VERIFIED, MULTI, SUMMED, RESERVED."""
         return self._flags
 
     # -- changes -------------------------------------------------------------------------------------
@@ -468,7 +474,10 @@ class ChunkIndex(BulkLoad, BatchEdits):
             assert bool(self._flags[slot] & MULTI) == (len(entry.runs) != 1)
             assert not self._flags[slot] & SUMMED or entry.checksum == self.checksum_column(slot), (
                 f"slot {slot}: its checksum column is stale")
-        for slot in self.reserved:
+        reserved = list(self.reserved)
+        assert len(reserved) == self._reserved_count, (
+            f"the index counts {self._reserved_count} reservations, flags {len(reserved)}")
+        for slot in reserved:
             assert self._flags[slot] & (USED | ACTIVE | MULTI | SUMMED) == USED, (
                 f"reserved slot {slot} is not a one-run PENDING chunk without an entry")
         actives = sum(1 for f in self._flags if f & ACTIVE)

@@ -35,7 +35,7 @@ from kvtierd.tiers.base import TierIndex
 from kvtierd.tiers.cpu_batch import CpuBatchOps
 from kvtierd.tiers.cpu_reserved import CpuReservedOps
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, pending_entry, segments, tenant_of
-from kvtierd.tiers.compact_index import ACTIVE, ChunkIndex
+from kvtierd.tiers.compact_index import ACTIVE, RESERVED, ChunkIndex
 from kvtierd.tiers import index_restore
 from kvtierd.tiers.index_db import ChunkIndexDB, IndexRow
 
@@ -245,7 +245,7 @@ class CpuTier(CpuBatchOps, CpuReservedOps, TierIndex):
             self.counters["layout_mismatch"] += 1
             return Status.LAYOUT_MISMATCH
         if (index.flags[slot] & ACTIVE and index.active[slot].state is ChunkState.PENDING
-                or slot in index.reserved):
+                or index.flags[slot] & RESERVED):
             return Status.BUSY
         if index.nbytes_of(slot) != nbytes:
             return Status.SIZE_MISMATCH

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from kvtierd.protocol import Status
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, pending_entry
-from kvtierd.tiers.compact_index import ACTIVE, MULTI, VERIFIED
+from kvtierd.tiers.compact_index import ACTIVE, MULTI, RESERVED, VERIFIED
 from kvtierd.tiers.columns import same_at, take_at
 from kvtierd.tiers.index_db import IndexRow
 from kvtierd.tiers.index_parts import KeySpace
@@ -208,7 +208,6 @@ class CpuBatchOps:
             return plain
         get, active, fps, flags = found.keys.get, index.active, index.fp_column, index.flags
         starts, lengths, reads = index.start_column, index.nbytes_column, index.reads
-        reserved = index.reserved
         fp, activate, page = index.fingerprint_id(fingerprint), index.activate, self.page_bytes
         out: list[ChunkEntry | int] = []
         held: list[int] = []
@@ -242,7 +241,7 @@ class CpuBatchOps:
                     entry_pages += entry.pages
                     out.append(entry)
                 continue
-            if slot in reserved:  # a PUT's reservation held by slot: PENDING, a miss
+            if flag & RESERVED:  # a PUT's reservation held by slot: PENDING, a miss
                 out.append(-_MISS)
                 continue
             if fps[slot] != fp:  # compact and not reserved: READY
@@ -367,15 +366,17 @@ class CpuBatchOps:
         if found is None or not keys:
             return [_MISS] * len(keys)
         fp = index.fingerprint_id(fingerprint)
-        plain = None if self.on_remove is not None else index.plain_slots(found, keys, fp)
+        # Without rows to delete first, the keys leave the index as they are looked up.
+        take = self.db is None
+        plain = (None if self.on_remove is not None
+                 else index.plain_slots(found, keys, fp, take=take))
         if plain is not None:
             if self.db is not None:  # the rows go before their pages are reused
                 self.db.delete([(space, key) for key in keys])
-            self._drop_plain(found, keys, plain, fp)
+            self._drop_plain(found, keys, plain, fp, taken=take)
             self.counters["deletes"] += len(keys)
             return [_OK] * len(keys)
         get, active, fps, flags = found.keys.get, index.active, index.fp_column, index.flags
-        reserved = index.reserved
         out: list[int] = []
         gone: dict[bytes, int] = {}  # key -> slot, in order
         mismatches = 0
@@ -385,7 +386,7 @@ class CpuBatchOps:
                 out.append(_MISS)
                 continue
             entry = active.get(slot) if flags[slot] & ACTIVE else None
-            if entry is None and slot in reserved:  # a reservation held by slot: PENDING
+            if entry is None and flags[slot] & RESERVED:  # a reservation held by slot: PENDING
                 out.append(_BUSY)
                 continue
             if entry is None:
@@ -425,11 +426,11 @@ class CpuBatchOps:
         return out
 
     def _drop_plain(self: CpuTier, found: KeySpace, keys: Sequence[bytes], slots: list[int],
-                    fp: int) -> None:
+                    fp: int, taken: bool = False) -> None:
         """Remove plain chunks (``ChunkIndex.plain_slots``) whose rows are gone: out of the
         policy, the index and the allocator, each in one call, and the counters once."""
         self.policy.remove_many(slots)
-        starts, counts, pages = self.index.discard_plain(found, keys, slots, fp)
+        starts, counts, pages = self.index.discard_plain(found, keys, slots, fp, taken)
         self.allocator.free_starts(starts, counts)
         self.ready_chunks -= len(slots)
         self.ready_pages -= pages

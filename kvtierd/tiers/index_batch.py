@@ -17,40 +17,51 @@ from itertools import repeat
 from typing import Sequence
 
 from kvtierd.tiers.columns import fill_at, put_at, put_records_at, same_at, take_at
-from kvtierd.tiers.index_parts import (ACTIVE, CHECKSUM_BYTES, MULTI, SUMMED, USED, VERIFIED,
-                                       KeySpace)
+from kvtierd.tiers.index_parts import (ACTIVE, CHECKSUM_BYTES, MULTI, RESERVED, SUMMED, USED,
+                                       VERIFIED, KeySpace)
 
-#: flags byte -> 1 where the slot is not a plain compact chunk (free, active or over several runs)
-_NOT_PLAIN = bytes(1 if f & (ACTIVE | MULTI) or not f & USED else 0 for f in range(256))
+#: flags byte -> 1 where the slot is not a plain compact chunk (free, active, over several runs or
+#: a reservation held by slot)
+_NOT_PLAIN = bytes(1 if f & (ACTIVE | MULTI | RESERVED) or not f & USED else 0 for f in range(256))
 
 
 class BatchEdits:
     """The batch half of ``ChunkIndex`` (``add`` and ``_unindex`` are its per-chunk form)."""
 
-    def plain_slots(self, found: KeySpace, keys: Sequence[bytes], fp: int) -> list[int] | None:
+    def plain_slots(self, found: KeySpace, keys: Sequence[bytes], fp: int, take: bool = False
+                    ) -> list[int] | None:
         """The slots of ``keys`` if every key is indexed in ``found`` once in the batch, and
         each chunk is *plain*: compact (so READY), one run, of the interned fingerprint ``fp``
         and not read by slot; None as soon as one is not (the caller then goes item by item).
-        A DELETE of the batch a PUT stored finds exactly this."""
-        slots = list(map(found.keys.get, keys, repeat(-1)))
-        if -1 in slots or len(set(slots)) != len(slots):
-            return None
-        if 1 in take_at(self._flags, slots).translate(_NOT_PLAIN):
-            return None
-        if not self.fingerprint_covers_all(fp) and same_at(self._fp, slots) != fp:
-            return None
-        if self.reads and not self.reads.keys().isdisjoint(slots):
-            return None
-        if self.reserved and not self.reserved.isdisjoint(slots):  # PENDING, held by slot
+        A DELETE of the batch a PUT stored finds exactly this. With ``take`` the keys leave
+        ``found`` as they are read, one dict probe each instead of a lookup now and a deletion
+        in ``discard_plain(taken=True)``, which the caller then owes them; a key repeated in the
+        batch is missing at its second read, and a batch that is not plain gets its keys back."""
+        slots = list(map(found.keys.pop if take else found.keys.get, keys, repeat(-1)))
+        if take:
+            if -1 in slots or not self._plain(slots, fp):
+                found.keys.update([(key, slot) for key, slot in zip(keys, slots) if slot >= 0])
+                return None
+            return slots
+        if -1 in slots or len(set(slots)) != len(slots) or not self._plain(slots, fp):
             return None
         return slots
 
+    def _plain(self, slots: list[int], fp: int) -> bool:
+        """Whether the chunks at ``slots`` (indexed, distinct) are plain (``plain_slots``)."""
+        if 1 in take_at(self._flags, slots).translate(_NOT_PLAIN):
+            return False  # (a reservation held by slot, PENDING, is not plain: its flags say so)
+        if not self.fingerprint_covers_all(fp) and same_at(self._fp, slots) != fp:
+            return False
+        return not self.reads or self.reads.keys().isdisjoint(slots)
+
     def discard_plain(self, found: KeySpace, keys: Sequence[bytes], slots: list[int],
-                      fp: int) -> tuple[list[int], list[int] | int, int]:
+                      fp: int, taken: bool = False) -> tuple[list[int], list[int] | int, int]:
         """Unindex plain chunks (``plain_slots``: ``keys`` of ``found``, at ``slots``, of
-        fingerprint id ``fp``): what ``_unindex`` of each does. Returns their runs as first
-        pages and page counts, in slot order (the counts one int where every chunk has the same
-        size: ``PageAllocator.free_starts`` takes both forms), and the pages they hold."""
+        fingerprint id ``fp``; ``taken``: their keys already left ``found``): what ``_unindex``
+        of each does. Returns their runs as first pages and page counts, in slot order (the
+        counts one int where every chunk has the same size: ``PageAllocator.free_starts`` takes
+        both forms), and the pages they hold."""
         page, starts = self.page_bytes, take_at(self._start, slots)
         size = same_at(self._nbytes, slots)
         counts: list[int] | int
@@ -60,7 +71,8 @@ class BatchEdits:
         else:
             counts = [-(-nbytes // page) or 1 for nbytes in take_at(self._nbytes, slots)]
             total = sum(counts)
-        deque(map(found.keys.__delitem__, keys), 0)  # every del in C; raises on a missing key
+        if not taken:
+            deque(map(found.keys.__delitem__, keys), 0)  # every del in C; raises on a missing key
         fill_at(self._keys, slots, None)
         fill_at(self._flags, slots, 0)
         self._free_slots.extend(slots)
@@ -85,7 +97,7 @@ class BatchEdits:
         ``active`` at once (``CpuBatchOps._reserve_run``): ``add_many`` without reading the
         fields back out of entry objects, free slots taken as ``add`` takes them (last freed
         first) and new ones appended in C. ``by_slot``: the chunks stay reservations held by
-        slot (``reserved``: no entry, not flagged ACTIVE) until ``commit_reserved``."""
+        slot (flagged RESERVED, not ACTIVE: no entry) until ``commit_reserved``."""
         n = len(keys)
         if not n:
             return []
@@ -93,7 +105,7 @@ class BatchEdits:
         if found is None:
             found = self._new_space(space)
         fp, sid, flag = (self._fps.take_many(fingerprint, n), found.id,
-                         USED if by_slot else USED | ACTIVE)
+                         USED | RESERVED if by_slot else USED | ACTIVE)
         free = self._free_slots
         take = min(len(free), n)
         slots = free[:-take - 1:-1]  # what ``take`` pops would give, in that order
@@ -123,15 +135,14 @@ class BatchEdits:
         assert len(found.keys) == before + n, "add_pending of a key that is indexed or repeated"
         self._count += n
         if by_slot:
-            self.reserved.update(slots)
+            self._reserved_count += n
         return slots
 
     def commit_reserved(self, slots: list[int], checksums: Sequence[bytes]) -> None:
         """Reservations held by slot (every one still in ``reserved``), committed with their
         ``checksums`` (CHECKSUM_BYTES each): straight into compact READY form, verified (what
         ``fold`` of their committed entries would leave), with no entry built."""
-        reserved = self.reserved
-        assert reserved.issuperset(slots), "commit_reserved of a slot that is not reserved"
-        reserved.difference_update(slots)
+        assert self.reserved.issuperset(slots), "commit_reserved of a slot that is not reserved"
         put_records_at(self._sum, slots, checksums, CHECKSUM_BYTES)
-        fill_at(self._flags, slots, USED | SUMMED | VERIFIED)
+        fill_at(self._flags, slots, USED | SUMMED | VERIFIED)  # RESERVED cleared
+        self._reserved_count -= len(slots)

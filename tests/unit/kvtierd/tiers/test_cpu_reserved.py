@@ -162,3 +162,27 @@ def test_commit_slots_writes_the_index_rows_before_ready(pair, tmp_path):
         assert entry.state is ChunkState.READY and entry.checksum == digest and entry.verified
     tier.check_invariants()
     db.close()
+
+
+def test_reservations_are_read_from_the_flags_as_a_set_of_slots(pair):
+    """``index.reserved`` (the RESERVED flag and its count): membership, size, iteration and the
+    batch checks follow reservation, an entry built for one, commit and abort."""
+    _, tier = pair
+    index = tier.index
+    keys = [f"r-{i}".encode() for i in range(6)]
+    slots, _ = tier.reserve_slots(SPACE, keys, PAGE, "fp")
+    assert len(slots) == 6 and sorted(index.reserved) == sorted(slots) and len(index.reserved) == 6
+    assert all(slot in index.reserved for slot in slots) and -1 not in index.reserved
+    assert index.reserved.issuperset(slots) and not index.reserved.isdisjoint(slots[:1])
+    entry = index.entry(slots[0])  # someone asks for one: it is that PENDING entry's now
+    assert entry.state is ChunkState.PENDING and slots[0] not in index.reserved
+    assert len(index.reserved) == 5 and not index.reserved.issuperset(slots)
+    tier.check_invariants()
+    tier.commit_slots(SPACE, "fp", keys[:4], slots[:4], fill_slots(tier, SPACE, slots[:4],
+                                                                    keys[:4], PAGE), PAGE)
+    assert sorted(index.reserved) == sorted(slots[4:]) and len(index.reserved) == 2
+    assert index.reserved.isdisjoint(slots[:4])
+    tier.abort_slots(slots[4:])
+    assert not index.reserved and len(index.reserved) == 0 and list(index.reserved) == []
+    assert index.reserved.isdisjoint(slots) and not index.reserved.issuperset(slots[1:4])
+    tier.check_invariants()
