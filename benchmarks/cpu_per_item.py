@@ -13,7 +13,8 @@ Each round does, per chunk size, one PUT of a batch (staging already filled, 409
 one GET of the same keys and one DELETE of them, on a daemon without an NVMe tier (the CPU path).
 With ``--compare DIR`` a second daemon runs the kvtierd found in DIR (e.g. a checkout of main) and
 the two are driven alternately, round by round, so both see the same machine, and which of them
-goes first alternates too. The first round is a warm-up. ``--quick`` runs tiny batches so that a
+goes first alternates too. DIR may speak protocol 1 (staging named in HELLO: the code issue 12
+was measured on, ``f266b65``); the session is chosen from its ``kvtierd/protocol.py``. The first round is a warm-up. ``--quick`` runs tiny batches so that a
 test checks the output's shape; its numbers mean nothing.
 """
 

@@ -27,15 +27,14 @@ from kvtierd.protocol import PROTOCOL_VERSION, Op
 class Session:
     """A raw DEALER with its own memfd staging buffer (KVTierClient without the KV copies)."""
 
+    version = PROTOCOL_VERSION  # of the requests' headers
+
     def __init__(self, address: str, nbytes: int, namespace: str = "bench",
                  fingerprint: str = "bench") -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        self._connect(address)
         self.staging = MemfdStagingBuffer(nbytes)
         self.staging.tensor.copy_(torch.frombuffer(bytearray(os.urandom(nbytes)),
                                                    dtype=torch.uint8))
-        self.next_id = 1
         try:
             ticket, _ = handshake(self.call(Op.PING)["handshake"], "memfd", nbytes,
                                   self.staging.fd)
@@ -44,48 +43,11 @@ class Session:
         self.call(Op.HELLO, namespace=namespace, rank=0, world_size=1, fingerprint=fingerprint,
                   staging=self.staging.handle(ticket))
 
-    def call(self, op: Op, **fields) -> dict:
-        self.next_id += 1
-        self.sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": int(op), "id": self.next_id,
-                                      **fields}))
-        while True:
-            header = msgpack.unpackb(self.sock.recv_multipart()[0])
-            if header["id"] == self.next_id:
-                if header["status"] != 0:
-                    raise RuntimeError(f"{op.name}: {header['name']}: {header['message']}")
-                return header
-
-    def close(self) -> None:
-        try:
-            self.call(Op.BYE)
-        finally:
-            self.sock.close(linger=0)
-            self.staging.close()
-
-
-class ShmSession(Session):
-    """Protocol 1's raw session: the staging buffer is a /dev/shm file named in HELLO (the daemon
-    maps it; the file is unlinked once HELLO is answered, as that protocol's client did)."""
-
-    def __init__(self, address: str, nbytes: int, namespace: str = "bench",
-                 fingerprint: str = "bench") -> None:
+    def _connect(self, address: str) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
-        self.version = 1
         self.next_id = 1
-        name = f"kvtier-stg-bench-{uuid.uuid4().hex}"
-        path = Path("/dev/shm") / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            self._map = mmap.mmap(fd, nbytes)
-            self._map[:] = os.urandom(nbytes)
-            self.call(Op.HELLO, namespace=namespace, rank=0, fingerprint=fingerprint,
-                      staging={"kind": "shm", "name": name, "nbytes": nbytes})
-        finally:
-            os.close(fd)
-            path.unlink(missing_ok=True)
 
     def call(self, op: Op, **fields) -> dict:
         self.next_id += 1
@@ -103,7 +65,36 @@ class ShmSession(Session):
             self.call(Op.BYE)
         finally:
             self.sock.close(linger=0)
-            self._map.close()
+            self._close_staging()
+
+    def _close_staging(self) -> None:
+        self.staging.close()
+
+
+class ShmSession(Session):
+    """Protocol 1's raw session: the staging buffer is a /dev/shm file named in HELLO (the daemon
+    maps it; the file is unlinked once HELLO is answered, as that protocol's client did)."""
+
+    version = 1
+
+    def __init__(self, address: str, nbytes: int, namespace: str = "bench",
+                 fingerprint: str = "bench") -> None:
+        self._connect(address)
+        name = f"kvtier-stg-bench-{uuid.uuid4().hex}"
+        path = Path("/dev/shm") / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes)
+            self._map[:] = os.urandom(nbytes)
+            self.call(Op.HELLO, namespace=namespace, rank=0, fingerprint=fingerprint,
+                      staging={"kind": "shm", "name": name, "nbytes": nbytes})
+        finally:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+
+    def _close_staging(self) -> None:
+        self._map.close()
 
 
 def protocol_of(code_dir: Path) -> int:

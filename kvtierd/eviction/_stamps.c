@@ -245,42 +245,52 @@ static PyObject *live_entries(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* The stamps (writable if asked) and a batch of slots, every slot checked to be a slot of the
+ * stamps before anything is read or written: 0, or -1 with an exception set and nothing held. */
+static int stamps_and_slots(PyObject *args, const char *format, int writable, Py_buffer *sv,
+                            Py_buffer *lv) {
+    PyObject *stamp, *slots;
+    if (!PyArg_ParseTuple(args, format, &stamp, &slots)) {
+        return -1;
+    }
+    if (u32_column(stamp, sv, writable, "stamp") < 0) {
+        return -1;
+    }
+    if (u32_column(slots, lv, 0, "slots") < 0) {
+        PyBuffer_Release(sv);
+        return -1;
+    }
+    const uint32_t *at = lv->buf;
+    Py_ssize_t n = lv->len / 4, nstamp = sv->len / 4;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((Py_ssize_t)at[i] >= nstamp) {
+            PyErr_Format(PyExc_IndexError, "slots[%zd] is %u; the policy has %zd slots", i, at[i],
+                         nstamp);
+            PyBuffer_Release(sv);
+            PyBuffer_Release(lv);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(renumber_doc,
 "renumber(stamp, slots) -> None\n--\n\n"
 "stamp[slots[i]] = i for every i (slots: array('I'), the live log a rewrite kept); every slot\n"
 "is checked to be in range first, so a bad one writes nothing.");
 
 static PyObject *renumber(PyObject *self, PyObject *args) {
-    PyObject *stamp, *slots;
     Py_buffer sv, lv;
-    if (!PyArg_ParseTuple(args, "OO:renumber", &stamp, &slots)) {
-        return NULL;
-    }
-    if (u32_column(stamp, &sv, 1, "stamp") < 0) {
-        return NULL;
-    }
-    if (u32_column(slots, &lv, 0, "slots") < 0) {
-        PyBuffer_Release(&sv);
+    if (stamps_and_slots(args, "OO:renumber", 1, &sv, &lv) < 0) {
         return NULL;
     }
     uint32_t *stamps = sv.buf;
     const uint32_t *at = lv.buf;
-    Py_ssize_t n = lv.len / 4, nstamp = sv.len / 4, i = 0;
-    for (; i < n && (Py_ssize_t)at[i] < nstamp; i++) {
-    }
-    if (i < n) {
-        PyErr_Format(PyExc_IndexError, "slots[%zd] is %u; the policy has %zd slots", i, at[i],
-                     nstamp);
-    } else {
-        for (i = 0; i < n; i++) {
-            stamps[at[i]] = (uint32_t)i;
-        }
+    for (Py_ssize_t i = 0, n = lv.len / 4; i < n; i++) {
+        stamps[at[i]] = (uint32_t)i;
     }
     PyBuffer_Release(&sv);
     PyBuffer_Release(&lv);
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
     Py_RETURN_NONE;
 }
 
@@ -291,30 +301,16 @@ PyDoc_STRVAR(stamps_at_doc,
 "the stamps.");
 
 static PyObject *stamps_at(PyObject *self, PyObject *args) {
-    PyObject *stamp, *slots;
     Py_buffer sv, lv;
-    if (!PyArg_ParseTuple(args, "OO:stamps_at", &stamp, &slots)) {
-        return NULL;
-    }
-    if (u32_column(stamp, &sv, 0, "stamp") < 0) {
-        return NULL;
-    }
-    if (u32_column(slots, &lv, 0, "slots") < 0) {
-        PyBuffer_Release(&sv);
+    if (stamps_and_slots(args, "OO:stamps_at", 0, &sv, &lv) < 0) {
         return NULL;
     }
     const uint32_t *stamps = sv.buf, *at = lv.buf;
-    Py_ssize_t n = lv.len / 4, nstamp = sv.len / 4;
+    Py_ssize_t n = lv.len / 4;
     PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
     if (out != NULL) {
         uint32_t *got = (uint32_t *)PyBytes_AS_STRING(out);
         for (Py_ssize_t i = 0; i < n; i++) {
-            if ((Py_ssize_t)at[i] >= nstamp) {
-                PyErr_Format(PyExc_IndexError, "slots[%zd] is %u; the policy has %zd slots", i,
-                             at[i], nstamp);
-                Py_CLEAR(out);
-                break;
-            }
             got[i] = stamps[at[i]];
         }
     }

@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Sequence
 
 from kvtierd.protocol import Status
-from kvtierd.server.batch import (LARGE_JOB_BYTES, Batch, JobQueue, SlotReads, SlotWrites,
-                                  job_bounds)
+from kvtierd.server.batch import (GROW_MIN_ITEMS, LARGE_JOB_BYTES, Batch, JobQueue, SlotReads,
+                                  SlotWrites, job_bounds)
 from kvtierd.server.sessions import SessionTable
 from kvtierd.tiers.cpu import CpuTier
 
@@ -39,13 +39,16 @@ class Checked:
     def groups(self, target: int, lead: int = 0) -> Iterator[Checked]:
         """One copy job each (batches are one chunk size): slices of the columns, no tuple per
         item. The first ``lead`` jobs (one per copy thread) of about ``target`` bytes, the rest
-        in as few as keep ``lead`` threads busy (``job_bounds``); ``lead`` 0: all of ``target``."""
+        in as few as keep ``lead`` threads busy (``job_bounds``), where a job holds at least
+        GROW_MIN_ITEMS chunks; else (or ``lead`` 0) all of ``target``."""
         n = len(self.keys)
         size = max(1, self.sizes[0])
         step = max(1, target // size)
         if step >= n:
             yield self
             return
+        if step < GROW_MIN_ITEMS:  # large chunks: jobs of ``target`` balance the threads
+            lead = 0
         for first, end in job_bounds(n, step, lead, LARGE_JOB_BYTES // size):
             yield Checked(self.index[first:end], self.keys[first:end],
                           self.offsets[first:end], self.sizes[first:end])

@@ -56,6 +56,9 @@ def test_checked_groups_are_column_slices_cut_by_job_bounds():
     assert [i for g in groups for i in g.index] == list(range(n))
     assert [len(g.keys) for g in items.groups(512 * 16384)] == [512] * 5 + [440]
     assert list(items.groups(n * 16384, 2)) == [items]  # one job: the columns as they are
+    big = Checked(range(32), [b"k%d" % i for i in range(32)], list(range(32)), [2 << 20] * 32)
+    # 2 MiB chunks: 4 a job, all of the target (they balance the copy threads better)
+    assert [len(g.keys) for g in big.groups(8 << 20, 2)] == [4] * 8
 
 
 def test_a_queue_submits_each_job_once_it_holds_the_target_and_the_rest_on_flush():
