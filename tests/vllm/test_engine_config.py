@@ -21,12 +21,16 @@ def test_gemma4_legacy_block_size_key_is_refused(tmp_path):
 
 
 def test_engine_keeps_serving_when_the_daemon_is_down(tmp_path):
+    # float32 and BATCH_NOISE, as in tests/vllm/conftest.py: the two rounds may batch their
+    # prompts differently (their lookups fail at their own pace), which in bf16 on a CPU with AMX
+    # moved a logprob by 1.2e-6 (it failed the exact comparison once in three full runs)
     out = drive(tmp_path, "down", kind="llama", model_dir=str(tmp_path / "model"),
-                address=f"ipc://{tmp_path}/nobody-listens.sock",
+                address=f"ipc://{tmp_path}/nobody-listens.sock", dtype="float32",
                 rounds=[{"name": "A"}, {"name": "B"}])
     a, b = out["rounds"]["A"], out["rounds"]["B"]
     assert a["external_hits"] == b["external_hits"] == 0
-    assert b["tokens"] == a["tokens"] and b["logprobs"] == a["logprobs"]
+    assert b["tokens"] == a["tokens"]
+    assert_close(b["logprobs"], a["logprobs"])
     assert b["seconds"] < 30, "a down daemon must cost misses, not hung steps"
 
 
