@@ -10,6 +10,7 @@ ROUTER_MANDATORY (coalesced and rate-limited: ``probes``); a peer that is gone a
 at once and its session is closed. (libzmq's ROUTER_NOTIFY would say which peer left, but it is a
 draft option that the released wheels do not build.) The socket monitor itself is read by the
 connection guard's thread (``connections``), which also bounds the number of connections.
+Requests, from the socket to their reply, are ``request_loop.RequestServing``'s.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from kvtierd.events import NO_EVENTS, ChainEventsAdapter, EventsCollector, NoEve
 from kvtierd.ghost import GhostCaches, GhostCollector
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.notify import Notifier
-from kvtierd.protocol import PROTOCOL_VERSION, Op, ProtocolError, Status, pack, reply, unpack
-from kvtierd.server import envelope, heap_trim, tier_setup
+from kvtierd.protocol import PROTOCOL_VERSION, Op, Status, pack, reply
+from kvtierd.server import heap_trim, tier_setup
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.admission import Admission
 from kvtierd.server.connections import (
@@ -43,6 +44,7 @@ from kvtierd.server.handshake import HandshakeServer
 from kvtierd.server.chain import TierChain
 from kvtierd.server.gc_tuning import rare_collections
 from kvtierd.server.probes import ProbeSchedule
+from kvtierd.server.request_loop import RequestServing
 from kvtierd.server.sessions import SessionTable
 from kvtierd.server.socket_files import AlreadyServing  # noqa: F401 (the CLI's import)
 from kvtierd.server.startup import (  # noqa: F401 (StartupError: the CLI's import)
@@ -66,11 +68,8 @@ from kvtierd.tiers.pinning import ArenaPinner
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1  # housekeeping period: session and lease expiry, watermarks
-DRAIN_MAX = 256  # requests handled per poll wake-up before housekeeping gets a turn
 NOTICE = pack(reply(0, Status.OK, notice="probe"))
-NEEDS_SESSION = {Op.LOOKUP, Op.PUT, Op.GET, Op.DELETE, Op.BYE}
 MAX_TICKETS = 256  # handshakes awaiting their HELLO (each may hold a client's mapping)
-LARGE_FRAME = 64 * 1024  # frames above this are sent without a copy
 
 
 def poll_timeout_ms(deadline: float, now: float) -> int:
@@ -81,7 +80,7 @@ def poll_timeout_ms(deadline: float, now: float) -> int:
     return max(0, math.ceil((deadline - now) * 1000))
 
 
-class Daemon:
+class Daemon(RequestServing):
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.notifier = Notifier.from_env()  # systemd Type=notify; a no-op without NOTIFY_SOCKET
@@ -320,16 +319,6 @@ class Daemon:
             if isinstance(tier, TierIndex):  # a tier with a compact index (NVMe)
                 tier.compact()
 
-    def _drain_requests(self) -> None:
-        assert self.socket is not None
-        self.idle_trim.served()
-        for _ in range(DRAIN_MAX):
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._handle(frames)
-
     def _drain_completions(self) -> None:
         for context, result, error in self.engine.completions():
             try:
@@ -434,69 +423,3 @@ class Daemon:
         if self.ctx is not None:
             self.ctx.destroy(linger=0)
             self.ctx = None
-
-    # -- requests --------------------------------------------------------------------------------
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        identity = frames[0].bytes
-        started = time.perf_counter()
-        request_id: Any = None
-        op_label = "invalid"
-        try:
-            if len(frames) < 2:
-                raise ProtocolError(Status.BAD_MESSAGE, "message has no header frame")
-            header = unpack(frames[1].bytes, self.cfg.max_header_bytes)
-            request_id = header.get("id")
-            op = envelope.check_envelope(header)
-            op_label = op.name.lower()
-            envelope.check_frame_count(op, self.sessions.by_identity.get(identity),
-                                       len(frames) - 1, self.cfg.max_batch)
-            result = self._run(op, identity, header, [f.buffer for f in frames[2:]])
-            if result is None:
-                return  # copies in flight: answered by OpHandlers.finish
-            fields, out = result if isinstance(result, tuple) else (result, [])
-            self._send(identity, reply(request_id, Status.OK, **fields), out)
-            status_label = "OK"
-        except ProtocolError as exc:
-            self._send(identity, reply(request_id, exc.status, exc.message), [])
-            status_label = exc.status.name
-        except Exception as exc:
-            log.exception("internal error handling %s", op_label)
-            self._send(identity, reply(request_id, Status.INTERNAL, f"internal error: {exc}"), [])
-            status_label = Status.INTERNAL.name
-        self.metrics.requests.labels(op_label, status_label).inc()
-        self.metrics.latency.labels(op_label).observe(time.perf_counter() - started)
-
-    def _run(self, op: Op, identity: bytes, header: dict, payload: list) -> Any:
-        if op is Op.HELLO:
-            self.admission.check_hello(self.sessions, identity)
-            return self.handlers.hello(identity, header, payload)
-        session = self.sessions.get(identity)
-        if session is None and op in NEEDS_SESSION:
-            raise ProtocolError(
-                Status.NO_SESSION, f"{op.name} needs a session: send HELLO first (or again)"
-            )
-        self.admission.check_admin(op, session, header)
-        if op is Op.PUT or op is Op.GET:
-            self.admission.check_batch(op, session)
-        return self._dispatch[op](session, header, payload)
-
-    def _send(self, identity: bytes, header: dict, frames: list, track: bool = False
-              ) -> zmq.MessageTracker | None:
-        """Send a reply; with ``track``, return what tells when libzmq let go of the payload
-        frames (None: the reply was dropped, nothing is held)."""
-        assert self.socket is not None
-        if track:  # one tracker per frame: pyzmq's send_multipart tracks only the last frame
-            frames = [zmq.Frame(f, track=True) for f in frames]
-        parts = [identity, pack(header), *frames]
-        copy = not track and not any(len(f) > LARGE_FRAME for f in frames)
-        try:
-            self.socket.send_multipart(parts, zmq.NOBLOCK, copy=copy)
-        except zmq.ZMQError as exc:
-            if exc.errno == errno.EHOSTUNREACH:
-                log.debug("reply to a peer that is gone dropped")
-            elif exc.errno == errno.EAGAIN:
-                log.warning("reply dropped: the peer's queue is full (it does not read replies)")
-            else:
-                raise
-            return None
-        return zmq.MessageTracker(*frames) if track else None

@@ -268,7 +268,8 @@ class ChunkIndex(BulkLoad, BatchEdits):
 
     @property
     def flags(self) -> bytearray:
-        """Flag bits per slot (read-only): USED, ACTIVE, ON_NVME, VERIFIED, MULTI, SUMMED, RESERVED."""
+        """Flag bits per slot (read-only): USED, ACTIVE, ON_NVME, VERIFIED, MULTI, SUMMED,
+        RESERVED."""
         return self._flags
 
     # -- changes -------------------------------------------------------------------------------------

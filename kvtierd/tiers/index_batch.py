@@ -139,10 +139,11 @@ class BatchEdits:
         return slots
 
     def commit_reserved(self, slots: list[int], checksums: Sequence[bytes]) -> None:
-        """Reservations held by slot (every one still in ``reserved``), committed with their
-        ``checksums`` (CHECKSUM_BYTES each): straight into compact READY form, verified (what
-        ``fold`` of their committed entries would leave), with no entry built."""
-        assert self.reserved.issuperset(slots), "commit_reserved of a slot that is not reserved"
+        """Reservations held by slot (every one still in ``reserved``: its caller,
+        ``CpuTier.commit_slots``, has just checked, and ``check_invariants`` holds the count to
+        the flags), committed with their ``checksums`` (CHECKSUM_BYTES each): straight into
+        compact READY form, verified (what ``fold`` of their committed entries would leave), with
+        no entry built."""
         put_records_at(self._sum, slots, checksums, CHECKSUM_BYTES)
         fill_at(self._flags, slots, USED | SUMMED | VERIFIED)  # RESERVED cleared
         self._reserved_count -= len(slots)

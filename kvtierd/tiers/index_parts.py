@@ -7,7 +7,7 @@ layout fingerprint by a small id, and its key bytes live in one dict per space.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterator, Sequence
 
 from kvtierd.tiers.columns import take_at
 
@@ -49,15 +49,15 @@ class ReservedSlots:
     def __iter__(self) -> Iterator[int]:
         return (slot for slot, flag in enumerate(self._index._flags) if flag & RESERVED)
 
-    def isdisjoint(self, slots: Iterable[int]) -> bool:
+    def isdisjoint(self, slots: Sequence[int]) -> bool:
         """No slot of ``slots`` (slots of the index) is a reservation."""
         index = self._index
-        return not index._reserved_count or 1 not in take_at(index._flags, list(slots)).translate(
+        return not index._reserved_count or 1 not in take_at(index._flags, slots).translate(
             _IS_RESERVED)
 
-    def issuperset(self, slots: Iterable[int]) -> bool:
+    def issuperset(self, slots: Sequence[int]) -> bool:
         """Every slot of ``slots`` (slots of the index) is a reservation."""
-        return 0 not in take_at(self._index._flags, list(slots)).translate(_IS_RESERVED)
+        return 0 not in take_at(self._index._flags, slots).translate(_IS_RESERVED)
 
 
 class KeySpace:
