@@ -23,8 +23,9 @@ most reads land header and payload as one buffer.
 
 Reads are batched (``read_batch_job``, ``batched_reads``): the chain hands the tier all the
 promotions of one loop iteration (one GET, a parked retry) as one job, read with one
-``batch_get_into_multi_buffers`` per ``max_batch`` objects and verified object by object (on a
-verifier thread, while the next batch is on the wire), so a missing or corrupt object is a miss
+``batch_get_into_multi_buffers`` per ``max_batch`` objects or ``READ_CALL_BYTES``
+(``kvtierd.remote.reads``) and verified object by object (on a verifier thread, while the next
+call is on the wire), so a missing or corrupt object is a miss
 for its item only. One call per chunk cost a round trip each (fetch was 0.26-0.50x of Mooncake's).
 
 Connection: the first job connects (blocking, on an I/O thread, never at start on the loop): a
@@ -39,7 +40,6 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import not_
 from typing import Hashable, Sequence, Union
@@ -50,6 +50,7 @@ from kvtierd.protocol import Status, Tier
 from kvtierd.remote import objects
 from kvtierd.remote.absent import AbsentCache
 from kvtierd.remote.mooncake import MooncakeStore, RemoteSetupError
+from kvtierd.remote.reads import READ_CALL_BYTES, Read, header_fits_after, read_calls
 from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments
@@ -76,31 +77,6 @@ class RemoteMiss(Exception):
 
 class RemoteWriteFailed(Exception):
     """Some objects of a write job were refused by the store (no space, ...): the job fails."""
-
-
-@dataclass(frozen=True)
-class _Read:
-    """One object of a read job: its name, the chunk, and where its payload lands."""
-
-    name: str
-    entry: ChunkEntry
-    segments: list[tuple[int, int]]  # arena view byte ranges, payload order
-    buffers: list[tuple[int, int]]  # the same as registered addresses
-    inline: bool  # the target's pages have room for the header right after the payload
-
-
-def header_fits_after(runs: list[Run], segs: list[tuple[int, int]], page_bytes: int) -> bool:
-    """Whether the pages ``runs`` hold ``HEADER_BYTES`` more right after the payload's last
-    segment (so a read can land the object's trailing header there, in the same buffer)."""
-    if not segs:
-        return False
-    offset, length = segs[-1]
-    end = offset + length
-    for start, count in runs:
-        run_end = (start + count) * page_bytes
-        if start * page_bytes < end <= run_end:
-            return run_end - end >= objects.HEADER_BYTES
-    return False
 
 
 class RemoteTier(LowerTier):
@@ -342,18 +318,17 @@ class RemoteTier(LowerTier):
         them concurrently; one call per chunk paid a round trip each), each verified on its
         own: a missing or corrupt object is that item's miss, never its neighbours'."""
         page = self.page_bytes
-        reads = [_Read(self.name_of(entry.ikey, entry.fingerprint), entry, segs,
+        reads = [Read(self.name_of(entry.ikey, entry.fingerprint), entry, segs,
                        [(arena.address + offset, length) for offset, length in segs],
                        header_fits_after(runs, segs, page))
                  for entry, runs, segs in items]
-        step = self.cfg.max_batch
+        calls = read_calls(reads, self.cfg.max_batch, READ_CALL_BYTES)
 
         def job() -> list[bytes | Exception]:
             store = self._ready()
             out: list[bytes | Exception] = []
-            checking: Future | None = None  # the previous batch's verification
-            for start in range(0, len(reads), step):
-                part = reads[start : start + step]
+            checking: Future | None = None  # the previous call's verification
+            for start, part in calls:
                 try:
                     raws = store.get([r.name for r in part], [r.buffers for r in part],
                                      [r.inline for r in part])
@@ -381,11 +356,11 @@ class RemoteTier(LowerTier):
                         1, thread_name_prefix="kvtierd-remote-verify")
         return self._verify_pool
 
-    def _verify_part(self, arena: Arena, part: list[_Read], raws: list[bytes | None]
+    def _verify_part(self, arena: Arena, part: list[Read], raws: list[bytes | None]
                      ) -> list[bytes | Exception]:
         return [self._verified(arena, read, raw) for read, raw in zip(part, raws)]
 
-    def _verified(self, arena: Arena, read: _Read, raw: bytes | None) -> bytes | Exception:
+    def _verified(self, arena: Arena, read: Read, raw: bytes | None) -> bytes | Exception:
         """The payload's checksum if ``raw`` (the header read) and the payload are this chunk's;
         else the item's error (on an I/O thread: only ``_missing`` is shared, under its lock)."""
         nbytes = sum(length for _, length in read.segments)

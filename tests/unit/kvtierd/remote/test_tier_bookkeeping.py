@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from kvtierd.config_remote import RemoteConfig
 from kvtierd.protocol import Status
-from kvtierd.remote import objects
-from kvtierd.remote.tier import ABSENT_TTL_S, RemoteTier, header_fits_after
+from kvtierd.remote.tier import ABSENT_TTL_S, RemoteTier
 
 
 class NoArena:  # bookkeeping never touches the arena; jobs (not run here) would
@@ -48,15 +47,3 @@ def test_known_names_are_bounded_and_a_pending_write_is_never_checked() -> None:
     assert t.peek(key(5)) is target and t.holds(key(5), b"\x00" * 16)
     assert t.delete(key(5)) is Status.OK and t.take_deletions() == [target]
     t.check_invariants()
-
-
-def test_the_header_lands_after_the_payload_only_inside_the_targets_own_pages() -> None:
-    page, h = 65536, objects.HEADER_BYTES
-    assert header_fits_after([(3, 5)], [(3 * page, 4 * page)], page)  # a spare page
-    assert not header_fits_after([(3, 4)], [(3 * page, 4 * page)], page)  # payload fills it
-    assert header_fits_after([(3, 1)], [(3 * page, page - h)], page)  # room in the last page
-    assert not header_fits_after([(3, 1)], [(3 * page, page - h + 1)], page)
-    # the payload ends in the first run; a spare second run is elsewhere: not contiguous
-    assert not header_fits_after([(3, 2), (9, 1)], [(3 * page, 2 * page)], page)
-    assert header_fits_after([(3, 2), (9, 2)], [(3 * page, 2 * page), (9 * page, page)], page)
-    assert not header_fits_after([], [], page)
