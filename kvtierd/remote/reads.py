@@ -13,9 +13,9 @@ from kvtierd.tiers.chunk import ChunkEntry
 #: ``max_batch`` objects). A job's calls are verified on a second thread while the next call is on
 #: the wire, so the xxh3-128 of all but the last call can hide behind the transfers; as one call
 #: (a GET of 256 MiB of 256 KiB chunks was one batch) the check could only follow the whole
-#: transfer. On the 2-core VM this measured no change (Mooncake's TCP transfer already keeps both
-#: cores busy, so the hashing costs the same wherever it runs); it is for transfers that leave the
-#: CPU free (RDMA).
+#: transfer. On the 2-core VM this measured no change beyond the noise (fetch 0.65-1.00x of
+#: Mooncake's raw gets either way; its TCP transfer over loopback spends about half of its CPU in
+#: the kernel, which the hashing competes with); it is for transfers that leave the CPU free (RDMA).
 READ_CALL_BYTES = 16 * 1024 * 1024
 
 

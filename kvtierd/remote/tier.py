@@ -319,8 +319,8 @@ class RemoteTier(LowerTier):
         own: a missing or corrupt object is that item's miss, never its neighbours'."""
         page = self.page_bytes
         reads = [Read(self.name_of(entry.ikey, entry.fingerprint), entry, segs,
-                       [(arena.address + offset, length) for offset, length in segs],
-                       header_fits_after(runs, segs, page))
+                      [(arena.address + offset, length) for offset, length in segs],
+                      header_fits_after(runs, segs, page))
                  for entry, runs, segs in items]
         calls = read_calls(reads, self.cfg.max_batch, READ_CALL_BYTES)
 
