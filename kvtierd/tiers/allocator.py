@@ -144,16 +144,22 @@ class PageAllocator:
         return (start, count)
 
     def free(self, runs: list[Run]) -> None:
-        for start, count in runs:
-            self._free_run(start, count)
+        """Return ``runs`` to the free extents: all of them, or (a double free, a run out of
+        range) none, with ``ValueError`` naming the run."""
+        if len(runs) == 1:
+            self._free_run(*runs[0])
+        else:
+            self.free_many(runs)
 
     def free_many(self, runs: list[Run]) -> None:
         """``free`` of many runs (a DELETE batch): sorted, and runs that touch merged first, so
         that the extents are searched and edited once per merged run instead of once per run
-        (a batch a PUT placed side by side frees as one run). The same checks as ``free``."""
+        (a batch a PUT placed side by side frees as one run). The same checks as ``free``, all
+        made before any page is freed: a batch with one bad run frees nothing."""
         if not runs:
             return
         runs = sorted(runs)
+        merged: list[Run] = []
         first, end = runs[0][0], runs[0][0]
         for start, count in runs:
             if count <= 0:
@@ -161,10 +167,14 @@ class PageAllocator:
             if start < end:  # overlaps the run before it
                 raise ValueError(f"double free of pages ({start}, {count})")
             if start != end:
-                self._free_run(first, end - first)
+                merged.append((first, end - first))
                 first = end = start
             end += count
-        self._free_run(first, end - first)
+        merged.append((first, end - first))
+        for start, count in merged:  # disjoint: each is checked against the extents as they are
+            self._free_slot(start, count)
+        for start, count in merged:
+            self._free_run(start, count)
 
     def free_starts(self, starts: Sequence[int], counts: Sequence[int] | int) -> None:
         """``free_many`` of the runs ``zip(starts, counts)``; ``counts`` one int where every run
@@ -191,13 +201,20 @@ class PageAllocator:
                 raise ValueError(f"double free of pages ({ordered[at]}, {counts})")
         self.free_many(list(zip(ordered, repeat(counts))))
 
-    def _free_run(self, start: int, count: int) -> None:
+    def _free_slot(self, start: int, count: int) -> tuple[int, int]:
+        """Where the run ``(start, count)`` goes among the free extents: the index of the first
+        extent after it and the end of the one before it (-1 if none); ``ValueError`` if the run
+        is out of range or overlaps a free extent (a double free)."""
         if count <= 0 or start < 0 or start + count > self.num_pages:
             raise ValueError(f"run ({start}, {count}) is outside 0..{self.num_pages}")
         i = bisect.bisect_left(self._starts, start)
         prev_end = self._starts[i - 1] + self._lengths[i - 1] if i else -1
         if prev_end > start or (i < len(self._starts) and self._starts[i] < start + count):
             raise ValueError(f"double free of pages ({start}, {count})")
+        return i, prev_end
+
+    def _free_run(self, start: int, count: int) -> None:
+        i, prev_end = self._free_slot(start, count)
         merge_prev = prev_end == start
         merge_next = i < len(self._starts) and self._starts[i] == start + count
         if merge_prev and merge_next:

@@ -244,3 +244,20 @@ def test_allocate_extents_are_the_stretches_of_allocate_many():
     assert [(first + k * 3, 3) for first, runs in extents for k in range(runs)] == \
         a.allocate_many(3, 8)
     assert a.free_runs() == b.free_runs() == [(3, 2), (16, 1), (52, 2)]
+
+
+@pytest.mark.parametrize("free", ["free", "free_many"])
+def test_a_batch_with_one_bad_run_frees_none_of_its_runs(free):
+    """A double free or an out-of-range run anywhere in a batch is refused before any of the
+    batch's good runs is freed (else a caller that fixes and retries the batch double-frees)."""
+    alloc = PageAllocator(16)
+    alloc.allocate(16)
+    alloc.free([(4, 2)])
+    for bad in [[(0, 1), (3, 2)], [(0, 1), (9, 1), (5, 1)], [(0, 2), (8, 2), (14, 3)],
+                [(12, 1), (2, 2), (6, 1), (6, 1)]]:
+        with pytest.raises(ValueError, match="double free|outside"):
+            getattr(alloc, free)(bad)
+        alloc.check_invariants()
+        assert alloc.free_runs() == [(4, 2)] and alloc.free_pages == 2, bad
+    getattr(alloc, free)([(0, 1), (3, 1), (6, 2)])
+    assert alloc.free_runs() == [(0, 1), (3, 5)]
