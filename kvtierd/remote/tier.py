@@ -349,11 +349,14 @@ class RemoteTier(LowerTier):
         return job
 
     def _verifier(self) -> ThreadPoolExecutor:
+        """The threads that check what read jobs fetched: one per I/O thread, since each running
+        job keeps one call's check in flight; with one thread for all, concurrent GETs queued
+        their checks behind each other and one core's xxh3 bounded the tier's fetch rate."""
         if self._verify_pool is None:
             with self._connect_lock:
                 if self._verify_pool is None:
                     self._verify_pool = ThreadPoolExecutor(
-                        1, thread_name_prefix="kvtierd-remote-verify")
+                        self.io_threads, thread_name_prefix="kvtierd-remote-verify")
         return self._verify_pool
 
     def _verify_part(self, arena: Arena, part: list[Read], raws: list[bytes | None]

@@ -8,7 +8,9 @@ object, a killed and restarted master, two tenants and two clusters on one store
 from __future__ import annotations
 
 import os
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers import mooncake as mc
@@ -185,6 +187,46 @@ def test_a_read_with_room_after_the_payload_lands_the_header_there(master, node)
     assert objects.check_header(header, name, key, FP, len(data)).checksum == checksum(
         memoryview(data), [(0, len(data))])
     assert node.load(key, len(data), page=50) == data  # no room: the header-slot read
+
+
+def test_concurrent_read_jobs_verify_on_threads_of_their_own(master, arena, monkeypatch):
+    """Two GETs' read jobs running at once each keep one call's check in flight: their first
+    checks meet at a barrier, which one verifier thread for the whole tier never reaches (the
+    second check would queue behind the first); both still land byte-exact."""
+    monkeypatch.setattr("kvtierd.remote.tier.READ_CALL_BYTES", PAGE)  # a call per chunk
+    node = Harness(master, arena, io_threads=2)
+    try:
+        payloads = {ikey("uid:1", b"c%d" % i): os.urandom(PAGE) for i in range(8)}
+        for i, (key, data) in enumerate(payloads.items()):
+            node.publish(key, data, page=i)
+        entries = [node.tier.lookup(key, FP)[1] for key in payloads]
+        arena.view[16 * PAGE : 32 * PAGE] = b"\xa5" * (16 * PAGE)  # poison
+        jobs = []
+        for base, part in ((16, entries[:4]), (24, entries[4:])):
+            items = [(entry, [(base + i, 1)], segments([(base + i, 1)], PAGE, PAGE))
+                     for i, entry in enumerate(part)]
+            jobs.append(node.tier.read_batch_job(items, arena))
+        met = threading.Barrier(2, timeout=10)
+        checked: list[str] = []
+        verify = node.tier._verify_part
+
+        def first_checks_meet(*args):
+            checked.append(threading.current_thread().name)
+            if len(checked) <= 2:
+                met.wait()  # BrokenBarrierError after 10 s if the checks run one after another
+            return verify(*args)
+
+        node.tier._verify_part = first_checks_meet
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(node.run, jobs))
+        assert len(set(checked[:2])) == 2 and len(checked) == 8
+        for digests, base, part in ((results[0], 16, list(payloads.values())[:4]),
+                                    (results[1], 24, list(payloads.values())[4:])):
+            for i, (digest, data) in enumerate(zip(digests, part)):
+                got = bytes(arena.view[(base + i) * PAGE : (base + i + 1) * PAGE])
+                assert got == data and digest == checksum(memoryview(data), [(0, PAGE)])
+    finally:
+        node.close()
 
 
 def test_flipped_byte_is_an_integrity_miss_and_the_object_is_removed(master, node) -> None:
