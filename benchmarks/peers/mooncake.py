@@ -32,6 +32,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from helpers import mooncake as mc  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from cores_busy import CoresBusy  # noqa: E402
+
 #: Objects per batch call; kvtierd's remote tier splits its jobs the same way.
 BATCH = 64
 #: Bytes moved per chunk size and round (the store process lends twice this).
@@ -77,7 +80,7 @@ def measure(client, region: Region, chunk_bytes: int, nbytes: int, ns, threads: 
     pattern of kvtierd's promotions, one read job per chunk) instead of batches. With ``verify``,
     each batch's payloads are hashed (xxh3-128, as kvtierd verifies every object it fetches)
     before the next batch is asked for, inside the clock: the ceiling of a client that checks its
-    bytes.
+    bytes. ``load_cores_busy``: the cores the machine kept busy (every process) while the gets ran.
 
     With ``trailer`` (bytes), each object is stored as kvtierd stores one: its payload and then a
     trailer kept elsewhere (a header slot at the region's end), put as two buffers of one
@@ -111,6 +114,7 @@ def measure(client, region: Region, chunk_bytes: int, nbytes: int, ns, threads: 
                                               sizes[i:i + BATCH])
             assert all(c == 0 for c in codes), codes
         put_s = time.perf_counter() - start
+        load = CoresBusy()  # every process's cores: the store process's side too
         start = time.perf_counter()
         if threads:
             def one(i: int) -> None:
@@ -129,6 +133,7 @@ def measure(client, region: Region, chunk_bytes: int, nbytes: int, ns, threads: 
                         offset = half + j * stride
                         xxhash.xxh3_128_digest(region.view[offset:offset + chunk_bytes])
         get_s = time.perf_counter() - start
+        load_cores = load.stop()
         client.batch_remove(keys, True)
     total = count * chunk_bytes
     got = region.view[half:half + count * stride]
@@ -141,7 +146,8 @@ def measure(client, region: Region, chunk_bytes: int, nbytes: int, ns, threads: 
     else:
         assert got == region.view[:total], "Mooncake returned other bytes"
     return {"chunk_bytes": chunk_bytes, "chunks": count, "bytes": total,
-            "store_gbps": total / put_s / 1e9, "load_gbps": total / get_s / 1e9}
+            "store_gbps": total / put_s / 1e9, "load_gbps": total / get_s / 1e9,
+            "load_cores_busy": load_cores}
 
 
 def region_bytes(nbytes: int, trailer: int = 0) -> int:

@@ -30,6 +30,8 @@ def test_remote_tier_benchmark_quick(tmp_path: Path) -> None:
             assert row[side]["store_gbps"] > 0 and row[side]["load_gbps"] > 0
         assert {"store_ratio", "load_ratio", "store_ratio_median", "load_ratio_median"} <= set(row)
         assert row["mooncake_verified"]["load_gbps"] > 0
+        busy = row["mooncake"]["load_cores_busy"]  # None only when no tick passed (tiny --quick)
+        assert busy is None or 0 <= busy <= results["cpu_count"]
         assert row["mooncake_verified"]["vs_raw_median"] > 0
         shaped = row["mooncake_shaped"]
         for way in ("store", "load"):
