@@ -27,7 +27,11 @@ as to another node; ``tests/helpers/mooncake.py``) and, interleaved round by rou
   (names + ``batch_is_exist`` + recording the answer) against the raw ``batch_is_exist``.
 
 The best round counts for each side, and the median of each round's own ratio (steadier on a
-shared machine). ``--only`` runs one half (``lookup``: no transfers, a small store; to iterate on
+shared machine), and how many cores the machine kept busy during Mooncake's raw gets (where
+that is every core, the check of what is fetched can only take cores from the transfer).
+``--transfer-cpus 0`` confines the Mooncake clients and the store process to CPU 0 and runs the
+tier's verifier threads on the others: a transfer that leaves a core free, as on a node with more
+cores than this VM. ``--only`` runs one half (``lookup``: no transfers, a small store; to iterate on
 the existence check). Target (issue 13): kvtierd / Mooncake >= 0.8 both ways. Nothing
 asserts; the table is printed and the numbers written as JSON (``--json``). ``--quick`` runs tiny
 sizes for the smoke test (its numbers mean nothing).
@@ -42,6 +46,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -187,8 +192,46 @@ def _shaped_row(shaped: list[dict], ours: list[dict], raw: list[dict]) -> dict:
     return row
 
 
+def cpu_split(spec: str) -> tuple[set[int], set[int]]:
+    """``--transfer-cpus`` (``"0"``, ``"0,2"``, ``"0-3"``): those CPUs, and the rest of this
+    process's CPUs (for the tier's verifier threads); SystemExit naming what is wrong."""
+    try:
+        cpus = set()
+        for part in spec.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise SystemExit(f"--transfer-cpus {spec!r}: expected CPU numbers such as 0 or 0-3,5")
+    allowed = os.sched_getaffinity(0)
+    rest = allowed - cpus
+    if not cpus <= allowed or not rest:
+        raise SystemExit(f"--transfer-cpus {spec!r}: must be some, not all, of this process's "
+                         f"CPUs {sorted(allowed)}")
+    return cpus, rest
+
+
+def pin_verifiers(tier: RemoteTier, cpus: set[int]) -> None:
+    """Start the tier's verifier threads now and move each to ``cpus`` (they meet at a barrier,
+    so every thread of the pool takes one of the tasks)."""
+    pool, threads = tier._verifier(), tier.io_threads
+    ready = threading.Barrier(threads)
+
+    def pin() -> None:
+        ready.wait(timeout=30)
+        os.sched_setaffinity(0, cpus)  # 0: the calling thread
+
+    for done in [pool.submit(pin) for _ in range(threads)]:
+        done.result()
+
+
 def run(args: argparse.Namespace) -> dict:
     nbytes = parse_size(args.bytes)
+    verify_cpus = None
+    if args.transfer_cpus:
+        # this thread's affinity is inherited by every thread and process started from here on:
+        # both Mooncake clients' transfer threads and the store process
+        transfer_cpus, verify_cpus = cpu_split(args.transfer_cpus)
+        os.sched_setaffinity(0, transfer_cpus)
     sizes = [] if args.only == "lookup" else list(SIZES)
     if args.only == "lookup":
         nbytes = 4 * 1024**2  # the arena and the store only need room for the lookup's objects
@@ -206,6 +249,10 @@ def run(args: argparse.Namespace) -> dict:
                                global_segment_bytes=0, local_buffer_bytes=16 * 1024**2,
                                cluster_id="bench", max_batch=peer.BATCH)
             tier = RemoteTier(cfg, arena, PAGE)
+            if verify_cpus is not None:
+                pin_verifiers(tier, verify_cpus)
+                results["transfer_cpus"] = sorted(transfer_cpus)
+                results["verify_cpus"] = sorted(verify_cpus)
             try:
                 for size in sizes:
                     raw, ours, checked, shaped = [], [], [], []
@@ -270,6 +317,10 @@ def print_table(results: dict) -> None:
 def _print_transfers(results: dict) -> None:
     print(f"\nremote tier vs Mooncake's Python client, {results['bytes']} bytes per size, best of "
           f"{results['rounds']} interleaved rounds (shared machine: compare ratios)")
+    if "transfer_cpus" in results:
+        print(f"pinned: the Mooncake clients and the store process on CPUs "
+              f"{results['transfer_cpus']}, the remote tier's verifier threads on "
+              f"{results['verify_cpus']}")
     print(f"{'chunk':>8} {'way':>6} {'mooncake GB/s':>14} {'kvtierd GB/s':>13} {'ratio':>6} "
           f"{'median of rounds':>17}")
     for size, row in results["sizes"].items():
@@ -318,6 +369,10 @@ def main() -> int:
     parser.add_argument("--workdir", default=str(REPO / "benchmarks/results/remote_tier"))
     parser.add_argument("--json", default=str(REPO / "benchmarks/results/remote_tier.json"))
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--transfer-cpus", default=None, help="run this process's Mooncake "
+                        "clients and the store process on these CPUs (0 or 0-3,5) and the remote "
+                        "tier's verifier threads on the others: a transfer that leaves cores free, "
+                        "as on a node with more cores than the VM (default: no pinning)")
     parser.add_argument("--only", choices=("transfers", "lookup"), default=None,
                         help="run only the GB/s rounds or only the lookup latency (default: both)")
     args = parser.parse_args()

@@ -4,6 +4,7 @@ timing): each runs in its own process, since a process's Mooncake clients share 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,30 @@ def test_mooncake_peer_rows(tmp_path: Path) -> None:
     assert {k: row[k] for k in ("peer", "path", "chunk_bytes")} == {
         "peer": "mooncake", "path": "raw bytes", "chunk_bytes": 262144}
     assert row["store_gbps"] > 0 and row["load_gbps"] > 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to split")
+def test_remote_tier_benchmark_pins_the_transfer_and_the_verifiers_apart(tmp_path: Path) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    out = tmp_path / "remote_tier.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks/remote_tier.py"), "--quick",
+                           "--only", "transfers", "--transfer-cpus", str(cpus[0]), "--json",
+                           str(out), "--workdir", str(tmp_path / "mc")],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["transfer_cpus"] == cpus[:1] and results["verify_cpus"] == cpus[1:]
+    assert f"verifier threads on {cpus[1:]}" in done.stdout
+    for row in results["sizes"].values():
+        assert row["kvtierd"]["load_gbps"] > 0
+
+
+@pytest.mark.parametrize("spec", ["0-4096", "x", "all"])
+def test_remote_tier_benchmark_refuses_a_cpu_split_it_cannot_make(tmp_path: Path, spec) -> None:
+    spec = ",".join(map(str, sorted(os.sched_getaffinity(0)))) if spec == "all" else spec
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks/remote_tier.py"), "--quick",
+                           "--transfer-cpus", spec, "--json", str(tmp_path / "r.json"),
+                           "--workdir", str(tmp_path / "mc")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and f"--transfer-cpus {spec!r}" in done.stderr, done.stderr
+    assert not (tmp_path / "r.json").exists()
