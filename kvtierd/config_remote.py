@@ -59,7 +59,8 @@ class RemoteConfig:
     # before the tier counts as unavailable for retry_s (the daemon serves its local tiers).
     connect_timeout_s: float = 2.0
     # Threads of the remote tier's own I/O pool (the chain gives it one, so that network waits
-    # never queue NVMe jobs behind them); also the most promotions from the store in flight.
+    # never queue NVMe jobs behind them); also the most promotions from the store in flight, and
+    # the tier's verifier threads (each running read job keeps one call's check in flight).
     io_threads: int = 4
     # Most keys in one Mooncake batch call; longer LOOKUP/GET/PUT batches are split.
     max_batch: int = 1024
