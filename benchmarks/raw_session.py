@@ -5,7 +5,9 @@ the daemon alone. Shared by the benchmarks (run as scripts, so this file sits be
 
 ``ShmSession`` speaks protocol 1 (staging named by a /dev/shm file in HELLO), so that a benchmark
 can drive a checkout from before the memfd handshake (e.g. the code issue 12 was measured on) in
-the same run as this one; ``session_for`` picks the session a checkout's daemon speaks."""
+the same run as this one, and ``Protocol2Session`` protocol 2 (the memfd handshake without
+session secrets, before 7 December 2026); ``session_for`` picks the session a checkout's daemon
+speaks."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class Session:
                                                    dtype=torch.uint8))
         try:
             ticket, _ = handshake(self.call(Op.PING)["handshake"], "memfd", nbytes,
-                                  self.staging.fd)
+                                  self.staging.fd, version=self.version)
         finally:
             self.staging.release_fd()
         self.call(Op.HELLO, namespace=namespace, rank=0, world_size=1, fingerprint=fingerprint,
@@ -48,9 +50,12 @@ class Session:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self.next_id = 1
+        self.secret: bytes | None = None  # protocol 3: the session's, from HELLO
 
     def call(self, op: Op, **fields) -> dict:
         self.next_id += 1
+        if self.secret is not None and op is not Op.HELLO:
+            fields["secret"] = self.secret
         self.sock.send(msgpack.packb({"v": self.version, "op": int(op), "id": self.next_id,
                                       **fields}))
         while True:
@@ -58,6 +63,8 @@ class Session:
             if header["id"] == self.next_id:
                 if header["status"] != 0:
                     raise RuntimeError(f"{op.name}: {header['name']}: {header['message']}")
+                if op is Op.HELLO and self.version >= 3:
+                    self.secret = header["secret"]
                 return header
 
     def close(self) -> None:
@@ -69,6 +76,13 @@ class Session:
 
     def _close_staging(self) -> None:
         self.staging.close()
+
+
+class Protocol2Session(Session):
+    """Protocol 2's raw session: the same memfd handshake, no session secret (a protocol-2 daemon
+    accepts a memfd sealed SHRINK | GROW, as protocol 3's client seals it)."""
+
+    version = 2
 
 
 class ShmSession(Session):
@@ -111,7 +125,9 @@ def session_for(code_dir: Path, address: str, nbytes: int) -> Session:
     version = protocol_of(code_dir)
     if version == PROTOCOL_VERSION:
         return Session(address, nbytes)
+    if version == 2:
+        return Protocol2Session(address, nbytes)
     if version == 1:
         return ShmSession(address, nbytes)
     raise RuntimeError(f"{code_dir} speaks protocol {version}: this benchmark speaks "
-                       f"{PROTOCOL_VERSION} and 1")
+                       f"{PROTOCOL_VERSION}, 2 and 1")

@@ -31,10 +31,11 @@ class HandshakeError(DaemonError):
 
 
 def handshake(path: str, kind: str, nbytes: int = 0, fd: int | None = None,
-              timeout_s: float = 10.0) -> tuple[bytes, float]:
+              timeout_s: float = 10.0, version: int = PROTOCOL_VERSION) -> tuple[bytes, float]:
     """``(ticket, expires_s)`` for staging of ``kind``; raises ``HandshakeError`` when refused,
-    ``DaemonUnavailable`` when the socket cannot be reached or does not answer in time."""
-    message = msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "nbytes": int(nbytes)},
+    ``DaemonUnavailable`` when the socket cannot be reached or does not answer in time.
+    ``version``: another protocol's handshake (benchmarks driving an older daemon)."""
+    message = msgpack.packb({"v": version, "kind": kind, "nbytes": int(nbytes)},
                             use_bin_type=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:

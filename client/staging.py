@@ -9,8 +9,12 @@ a process that does not trust us:
   (ENOSPC/ENOMEM) is a clear error here, not a SIGBUS at the first copy;
 * every page written once (Linux reports a fallocated page that was never written as a hole, and
   the daemon refuses buffers with holes);
-* sealed ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``: its size can never change again, by us or
-  anyone, so the daemon's mapping cannot fault.
+* mapped here, then sealed ``F_SEAL_SHRINK | F_SEAL_GROW``: its size can never change again, by us
+  or anyone, so the daemon's mapping cannot fault. The daemon maps it too and adds
+  ``F_SEAL_FUTURE_WRITE | F_SEAL_SEAL`` (protocol 3): both mappings stay writable, but no page
+  can be punched out of the buffer any more, so the daemon never allocates memory on our behalf.
+  That is why we must not seal it F_SEAL_SEAL ourselves, and why the mapping comes first (no new
+  writable mapping can be made after the daemon's seal).
 
 Our descriptor is closed once the daemon has its own (``release_fd``); the memory lives as long as
 either side maps it, so a ``kill -9`` of either leaves nothing behind.
@@ -26,7 +30,7 @@ import torch
 
 MEMFD_NAME = "kvtier-staging"
 ALIGN = 256  # unit offsets in staging: enough for 16-byte vector copies and DMA-friendly
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # the daemon adds FUTURE_WRITE | SEAL
 _FILL_STEP = 4 * 1024**2
 
 
@@ -53,8 +57,8 @@ class MemfdStagingBuffer:
                     "memory, raise the process's memory limit (container/cgroup) or its file "
                     "size limit, or pass a smaller staging_bytes") from None
             _fill(fd, nbytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         except BaseException:
             os.close(fd)
             raise

@@ -6,6 +6,9 @@ then ``receive`` each by id): the daemon answers a batch when its copies finish,
 come out of order, and one that arrives before it is asked for is kept until it is. A timeout
 leaves the socket in an unknown state (the daemon may still act on the request later), so the
 caller must ``reset`` and start a new session.
+
+A session is bound to its HELLO's ``secret`` (protocol 3): the transport keeps the secret of the
+last HELLO it was answered and sends it in every later request, until ``reset``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Transport:
         self._sock: zmq.Socket | None = None
         self._waiting: set[int] = set()  # sent, not yet received
         self._early: dict[int, tuple[dict, list]] = {}  # replies that came before their receive
+        self._secret: bytes | None = None  # the session's, from its HELLO reply
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -60,6 +64,8 @@ class Transport:
         """Send one request without waiting; return its id for ``receive``."""
         sock = self._socket()
         request_id = next(self._ids)
+        if self._secret is not None and op is not Op.HELLO:
+            fields["secret"] = self._secret
         sock.send_multipart([pack(request(op, request_id, **fields)), *(frames or [])],
                             copy=not frames)
         self._waiting.add(request_id)
@@ -92,6 +98,9 @@ class Transport:
         if header.get("status") != Status.OK:
             raise DaemonError(op, header.get("status"), header.get("name", "?"),
                               header.get("message", ""))
+        if op is Op.HELLO:
+            secret = header.get("secret")
+            self._secret = secret if isinstance(secret, bytes) else None
         return header, [p.buffer for p in got[1:]]
 
     def reset(self) -> None:
@@ -100,6 +109,7 @@ class Transport:
             self._sock = None
         self._waiting.clear()  # their replies went with the socket
         self._early.clear()
+        self._secret = None  # the session went with the socket
 
     def close(self) -> None:
         self.reset()

@@ -43,6 +43,8 @@ _CONFIG_FLAGS = (
     ("--socket-mode", "socket_mode", "octal mode of the ipc and handshake sockets, e.g. 0660"),
     ("--handshake-socket", "handshake_socket", "path of the staging handshake socket"),
     ("--events-addr", "events_addr", "KV-event PUB socket to bind: tcp://HOST:PORT, ipc://PATH"),
+    ("--anonymous-tenant", "anonymous_tenant", "sessions without credentials or tenant token: "
+     "auto (allowed on tcp only), allow or refuse"),
 )
 # Boolean keys are flags with a --no- form (argparse.BooleanOptionalAction).
 _BOOL_FLAGS = (
@@ -51,6 +53,8 @@ _BOOL_FLAGS = (
     ("--prefault", "prefault", "touch every arena page at start"),
     ("--mlock", "mlock", "lock the arena into RAM"),
     ("--cuda-pin-arena", "cuda_pin_arena", "register the arena with CUDA (when present)"),
+    ("--expose-tenant-stats", "expose_tenant_stats", "per-tenant figures in STATS and /metrics "
+     "for everyone, not only admin/auth token holders"),
 )
 
 
@@ -265,6 +269,8 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"{'get':<8}{served:>10}{failed:>10}{_ratio(served, failed):>10}",
     ]
     lines += format_tenants(stats.get("tenants", {}))
+    if stats.get("tenants_hidden"):
+        lines += ["", f"tenants: {stats['tenants_hidden']}"]
     lines += format_ghosts(stats.get("ghosts", {}))
     return "\n".join(lines)
 

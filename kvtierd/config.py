@@ -23,7 +23,7 @@ from kvtierd.config_error import ConfigError
 from kvtierd.config_events import validate_events
 from kvtierd.config_remote import RemoteConfig, parse_remote
 from kvtierd.config_sockets import validate_sockets
-from kvtierd.config_tenants import TenantConfig, parse_tenants
+from kvtierd.config_tenants import TenantConfig, parse_tenants, validate_access
 from kvtierd.paths import default_runtime_dir, default_socket
 from kvtierd.sizes import parse_size
 
@@ -138,6 +138,19 @@ class Config:
     max_connections: int = 4096
     # Most sessions alive at once; a HELLO beyond it is answered BUSY.
     max_sessions: int = 1024
+    # Most sessions, and most connections, of one uid (an uncredentialed tcp peer: of its
+    # address), so one user cannot starve another; 0 = a quarter of max_sessions /
+    # max_connections (at least 1).
+    max_sessions_per_uid: int = 0
+    max_connections_per_uid: int = 0
+    # Sessions with neither staging-handshake credentials nor a configured tenant's token share
+    # the tenant "anonymous": "auto" allows it on a tcp:// socket (remote clients cannot do the
+    # handshake) and refuses it on ipc:// (every local client can), "allow", or "refuse".
+    anonymous_tenant: str = "auto"
+    # Show per-tenant figures (STATS "tenants", /metrics kvtierd_tenant_* and quota rejections by
+    # tenant) to anyone who reaches them; off: only to requests with admin_token or auth_token
+    # (a /metrics scrape: "Authorization: Bearer TOKEN"). Aggregates stay open either way.
+    expose_tenant_stats: bool = False
     # Most PUT/GET batches one session may have in flight (copies pending); more are answered BUSY.
     max_in_flight_requests: int = 64
     # Most payload bytes one inline session's GET replies may hold in the daemon at once (being
@@ -204,6 +217,20 @@ class Config:
         """``instance``, else a stable hash of the socket: the same across restarts (and PID 1
         in every container), different for every daemon of a node (sockets are unique)."""
         return self.instance or hashlib.sha256(self.socket.encode()).hexdigest()[:16]
+
+    @property
+    def allows_anonymous(self) -> bool:
+        """Whether a session without credentials or a tenant token may be ``anonymous``."""
+        if self.anonymous_tenant == "auto":
+            return self.ipc_path is None
+        return self.anonymous_tenant == "allow"
+
+    def per_uid_cap(self, key: str) -> int:
+        """``max_sessions_per_uid`` or ``max_connections_per_uid`` in force, given its global
+        cap ``limit`` (0: a quarter of it); never above the global cap."""
+        configured = getattr(self, f"{key}_per_uid")
+        limit = getattr(self, key)
+        return min(limit, configured) if configured else max(1, limit // 4)
 
     @property
     def socket_mode_bits(self) -> int:
@@ -345,6 +372,7 @@ def _validate(cfg: Config) -> None:
                           "(starting with a letter or digit), or empty")
     validate_sockets(cfg)
     validate_events(cfg)
+    validate_access(cfg)
     import logging
 
     if not isinstance(logging.getLevelName(cfg.log_level.upper()), int):

@@ -1,7 +1,9 @@
 """The ``[tenants]`` table of the configuration: which peers form each named tenant, and its quota.
 
 Parsed from the TOML file only (an environment variable or a flag cannot express a table); every
-uid, gid and token names at most one tenant, and tokens are never shown in an error.
+uid, gid and token names at most one tenant, and tokens are never shown in an error. Also the
+keys that decide who may open a session at all (``validate_access``): ``anonymous_tenant`` and the
+per-uid caps.
 """
 
 from __future__ import annotations
@@ -82,3 +84,16 @@ def _id_list(key: str, values: Any) -> tuple[int, ...]:
             isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in values):
         raise ConfigError(key, values, "a list of ids in 0..4294967295")
     return tuple(values)
+
+
+ANONYMOUS_CHOICES = ("auto", "allow", "refuse")
+
+
+def validate_access(cfg: Any) -> None:
+    """Who may open sessions: the anonymous tenant's switch and the per-uid caps."""
+    if cfg.anonymous_tenant not in ANONYMOUS_CHOICES:
+        raise ConfigError("anonymous_tenant", cfg.anonymous_tenant, ", ".join(ANONYMOUS_CHOICES))
+    for key in ("max_sessions_per_uid", "max_connections_per_uid"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(key, getattr(cfg, key), "0 (a quarter of the global cap) or a "
+                              "positive integer")

@@ -1,16 +1,26 @@
-"""Prometheus metrics of one daemon, on a private registry served by prometheus-client's exporter.
+"""Prometheus metrics of one daemon, on private registries served by prometheus-client's WSGI app.
 
 Names carry units (``_bytes``, ``_seconds``, ``_total``); labels are bounded enums (op, status,
 tier, direction, reason), never keys or session ids. Tier gauges are read from the tier's running
 totals at scrape time, so they cost nothing on the request path.
+
+Per-tenant figures (``kvtierd_tenant_*``, quota rejections by tenant) live in a registry of their
+own: tenants share the node, and what one tenant stores is not another's to read. A scrape sees
+them only with ``Authorization: Bearer TOKEN`` holding ``admin_token`` or ``auth_token`` (or when
+the operator sets ``expose_tenant_stats``); every aggregate stays open to any scrape.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import socket
+import threading
+from socketserver import ThreadingMixIn
 from typing import Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -24,8 +34,12 @@ LATENCY_BUCKETS = (
 
 
 # kvtierd_refused_total reasons: max_connections, max_sessions, max_in_flight_requests,
-# max_inline_reply_bytes, a STATS/CHECK without a token.
-REFUSAL_REASONS = ("connections", "sessions", "in_flight", "inline_reply_bytes", "auth")
+# max_inline_reply_bytes, a STATS/CHECK without a token, a request without its session's secret,
+# the per-uid caps (max_connections_per_uid, max_sessions_per_uid), a peer whose credentials the
+# daemon's user namespace cannot tell apart, a HELLO that would be the anonymous tenant where it is
+# not allowed.
+REFUSAL_REASONS = ("connections", "sessions", "in_flight", "inline_reply_bytes", "auth", "secret",
+                   "connections_per_uid", "sessions_per_uid", "unmapped_peer", "anonymous")
 
 
 class TierCollector(Collector):
@@ -107,9 +121,49 @@ class TenantCollector(Collector):
         yield quota
 
 
+class _Registries(Collector):
+    """Several registries scraped as one."""
+
+    def __init__(self, *registries: CollectorRegistry) -> None:
+        self._registries = registries
+
+    def collect(self):
+        for registry in self._registries:
+            yield from registry.collect()
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a stuck scrape never holds the daemon's exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
+        """Scrapes are not logged (every 15 s per Prometheus)."""
+
+
+def bearer_app(open_app, full_app, tokens: Iterable[str]):
+    """A WSGI app serving ``full_app`` to requests whose ``Authorization: Bearer`` token is one of
+    ``tokens`` (compared in constant time), ``open_app`` to every other."""
+    expected = [t.encode("utf-8") for t in tokens if t]
+
+    def app(environ, start_response):
+        given = environ.get("HTTP_AUTHORIZATION", "")
+        scheme, _, token = given.partition(" ")
+        ok = False
+        if scheme.lower() == "bearer" and token:
+            raw = token.strip().encode("utf-8", "surrogateescape")
+            for candidate in expected:  # every one compared: the timing says nothing
+                ok |= hmac.compare_digest(raw, candidate)
+        return (full_app if ok else open_app)(environ, start_response)
+
+    return app
+
+
 class DaemonMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # Per-tenant series: served to admin-token scrapes only (module docstring).
+        self.tenant_registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
             "kvtierd_requests", "Requests answered, by op and status", ["op", "status"], registry=r
@@ -177,7 +231,7 @@ class DaemonMetrics:
         self.quota_rejections = Counter(
             "kvtierd_quota_rejections",
             "Chunks refused QUOTA_EXCEEDED (PUT or promotion), by tenant (configured name or other)",
-            ["tenant"], registry=r,
+            ["tenant"], registry=self.tenant_registry,
         )
         self.sessions = Gauge("kvtierd_sessions", "Client sessions alive", registry=r)
         self.sessions_closed = Counter(
@@ -215,20 +269,31 @@ class DaemonMetrics:
             self.get_results.labels(result)
 
     def add_tenants(self, tenants, tier) -> None:
-        self.registry.register(TenantCollector(tenants, tier))
+        self.tenant_registry.register(TenantCollector(tenants, tier))
         for label in tenants.labels():
             self.quota_rejections.labels(label)  # primed at 0: alerts need a series to increase
 
     def add_tiers(self, tiers: Callable[[], Iterable[tuple[str, dict[str, int]]]]) -> None:
         self.registry.register(TierCollector(tiers))
 
-    def serve(self, addr: str) -> tuple[str, int] | None:
-        """Start the /metrics HTTP exporter on ``host:port``; return the bound address."""
+    def serve(self, addr: str, tenant_tokens: Iterable[str] = (),
+              expose_tenants: bool = False) -> tuple[str, int] | None:
+        """Start the /metrics HTTP exporter on ``host:port``; return the bound address. Scrapes
+        with a bearer token of ``tenant_tokens`` (or every scrape, ``expose_tenants``) also get
+        the per-tenant series."""
         if addr == "off":
             return None
         host, _, port = addr.rpartition(":")
         host = host.strip("[]")
-        self._server, _thread = start_http_server(int(port), addr=host, registry=self.registry)
+        full = make_wsgi_app(_Registries(self.registry, self.tenant_registry))
+        app = full if expose_tenants else bearer_app(make_wsgi_app(self.registry), full,
+                                                     tenant_tokens)
+        server_class = _Server
+        if ":" in host:  # an IPv6 literal
+            server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+        self._server = make_server(host, int(port), app, server_class, handler_class=_QuietHandler)
+        threading.Thread(target=self._server.serve_forever, name="kvtierd-metrics",
+                         daemon=True).start()
         bound = self._server.server_address[:2]
         log.info("metrics at http://%s:%d/metrics", bound[0], bound[1])
         return bound[0], bound[1]

@@ -20,8 +20,13 @@ appended; a daemon answers an unknown ``v`` with ``UNSUPPORTED_VERSION`` naming 
 Per-op fields (request -> reply):
 
 * HELLO ``namespace: str, world_size: int, rank: int, fingerprint: str, staging: {kind, ...},
-  token?: str, client?: map`` -> ``session: int, page_bytes: int, limits: map, daemon: str,
-  events: bool`` (``events``: the daemon publishes KV events, so PUT's ``blocks`` is worth sending).
+  token?: str, client?: map`` -> ``session: int, secret: bytes(16), page_bytes: int, limits: map,
+  daemon: str, events: bool`` (``events``: the daemon publishes KV events, so PUT's ``blocks`` is
+  worth sending). ``secret`` binds the session to whoever read this reply: **every later request
+  of the session carries it** as ``secret`` (compared in constant time). A request without it, or
+  with another, does not see the session (LOOKUP/PUT/GET/DELETE/BYE answer ``NO_SESSION``, PING
+  does not count as its heartbeat): libzmq lets a peer claim any routing id, so the id alone
+  would let a process that reconnects with a closed connection's id take over its session.
   ``world_size`` is 1..4096 and ``0 <= rank < world_size``; strings and the free-form ``client``
   map are bounded (README "Protocol"). The session's *tenant* is never a field: the daemon assigns
   it from the token (a configured tenant's) or the peer's credentials, which the ticket carries.
@@ -31,7 +36,10 @@ Per-op fields (request -> reply):
   - ``{"kind": "cuda_ipc", "ticket": bytes, "handle": bytes(64), "nbytes": int, "device": int,
     "pci_bus_id"?: str}``: a device buffer (the handshake only bound the credentials);
   - ``{"kind": "inline", "ticket"?: bytes}``: payload frames; the ticket, when given, only carries
-    the peer's credentials (remote TCP clients have none).
+    the peer's credentials (remote TCP clients have none). Without a ticket and without a
+    configured tenant's token the session would be the shared tenant ``anonymous``, which only a
+    daemon with ``anonymous_tenant`` allowing it accepts (by default: a tcp:// socket, never an
+    ipc:// one, where every local client can do the handshake); otherwise ``AUTH_FAILED``.
 
   Protocol 1's ``{"kind": "shm", "name": ...}`` (a /dev/shm file named in HELLO) is refused with
   ``BAD_HANDLE``: a name can be opened, swapped or truncated by others, a sealed memfd cannot.
@@ -61,15 +69,19 @@ Resource limits (``limits`` in the HELLO reply): a HELLO past ``max_sessions`` a
 the session has ``max_in_flight_requests`` batches in flight are answered ``BUSY``; GET items of an
 inline session past ``max_inline_reply_bytes`` are ``TOO_LARGE``.
 
-Staging handshake (protocol 2). ZeroMQ cannot pass file descriptors nor say who the peer is, so a
+Staging handshake (protocol 3). ZeroMQ cannot pass file descriptors nor say who the peer is, so a
 Unix *stream* socket beside the ZeroMQ socket does both (``P.hs`` for ``ipc://P``; the
-``handshake_socket`` config key otherwise; PING tells its path). A client connects, sends one
-msgpack map ``{v: 2, kind: "memfd" | "cuda_ipc" | "inline", nbytes: int}`` (at most
-``MAX_HANDSHAKE_BYTES``) and, for ``memfd`` only, exactly one descriptor by SCM_RIGHTS in the same
-``sendmsg``. The daemon reads the peer's uid/gid/pid with SO_PEERCRED, verifies a memfd before
-mapping it (regular file, sealed against shrinking and growing, not against writing, exactly
-``nbytes`` bytes, no holes, not the arena), answers one map ``{status, name, message, ticket:
-bytes(16), expires_s: float}`` and closes the connection. The ticket is random, one-time, bound to
+``handshake_socket`` config key otherwise; PING tells its path). A client connects, sends exactly
+one msgpack map ``{v: 3, kind: "memfd" | "cuda_ipc" | "inline", nbytes: int}`` (``v`` the integer
+``PROTOCOL_VERSION``, nothing after the map, at most ``MAX_HANDSHAKE_BYTES``) and, for ``memfd``
+only, exactly one descriptor by SCM_RIGHTS in the same ``sendmsg``; a connection that carries a
+second descriptor at any point is refused at once. The daemon reads the peer's uid/gid/pid with
+SO_PEERCRED, verifies a memfd (a shmem memfd, not hugetlbfs; a regular file sealed
+F_SEAL_SHRINK | F_SEAL_GROW and nothing else, exactly ``nbytes`` bytes, not the arena), maps it,
+seals it F_SEAL_FUTURE_WRITE | F_SEAL_SEAL itself (so the client must map its buffer *before*
+the handshake: no writable mapping can be made after), checks that it has no holes (none can
+appear any more), answers one map ``{status, name, message, ticket: bytes(16), expires_s:
+float}`` and closes the connection. The ticket is random, one-time, bound to
 the kind, and expires after ``expires_s`` (an unused memfd mapping is then closed); HELLO presents
 it. A connection that sends nothing, garbage or too much within the handshake deadline is closed
 without blocking anyone else.
@@ -82,7 +94,12 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+#: 3 (7 December 2026): sessions carry HELLO's ``secret`` in every request; the daemon, not the
+#: client, seals staging memfds F_SEAL_SEAL (after adding F_SEAL_FUTURE_WRITE). A protocol-2 peer
+#: is answered UNSUPPORTED_VERSION, naming 3.
+PROTOCOL_VERSION = 3
+#: Length of a session's secret (random bytes, HELLO's reply).
+SECRET_BYTES = 16
 
 #: Largest handshake message (the msgpack map) the daemon reads; a longer one is refused.
 MAX_HANDSHAKE_BYTES = 4096

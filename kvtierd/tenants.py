@@ -9,7 +9,13 @@ specific first):
 3. its primary gid, if a configured tenant lists it;
 4. otherwise the implicit tenant ``uid:N`` of its uid — so two users never share by default;
 5. a session with neither credentials nor a tenant token (an inline client over TCP) is the fixed
-   tenant ``anonymous``.
+   tenant ``anonymous``, a quota every such client shares — only where ``anonymous_tenant``
+   allows it (by default on a tcp:// socket, never on ipc://, where every local client can do
+   the staging handshake); elsewhere the HELLO is refused.
+
+A peer whose credentials the daemon's user namespace cannot tell apart (``Peer.unmapped``: every
+unmapped user reads as uid 65534) is refused unless step 1 names its tenant: otherwise every user
+outside the namespace would be one tenant and read each other's chunks.
 
 The tenant is the first part of every chunk's identity (``ikey = ((tenant, namespace, rank), key)``),
 so another tenant's chunks are simply not in the key space a session can name: they miss, they
@@ -26,9 +32,18 @@ from dataclasses import dataclass
 
 from kvtierd.config import Config, TenantConfig
 from kvtierd.peer import Peer
+from kvtierd.protocol import ProtocolError, Status
 
 ANONYMOUS = "anonymous"
 OTHER_LABEL = "other"  # metrics label of every implicit tenant (uid:N, anonymous)
+
+
+class TenantRefused(ProtocolError):
+    """A HELLO no tenant can be given to; ``reason`` labels kvtierd_refused_total."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(Status.AUTH_FAILED, message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,8 @@ class TenantTable:
         self._by_gid = {gid: t.name for t in cfg.tenants for gid in t.gids}
         self._tokens = [(tok.encode("utf-8"), t.name) for t in cfg.tenants for tok in t.tokens]
         self.has_tokens = bool(self._tokens)
+        self.allows_anonymous = cfg.allows_anonymous
+        self._handshake = str(cfg.handshake_path)
 
     def token_tenant(self, token: str) -> str | None:
         """The configured tenant whose token this is, or None. Every token is compared (in
@@ -61,7 +78,20 @@ class TenantTable:
         if by_token is not None:
             return Assignment(by_token, "token")
         if peer is None:
+            if not self.allows_anonymous:
+                raise TenantRefused("anonymous", "HELLO without credentials (no staging "
+                                    "handshake ticket) and without a tenant's token would be the "
+                                    "shared tenant 'anonymous', which this daemon does not allow "
+                                    "(anonymous_tenant); do the staging handshake at "
+                                    f"{self._handshake} (kind inline for a session without shared "
+                                    "memory) or present a configured tenant's token")
             return Assignment(ANONYMOUS, "no credentials")
+        if peer.unmapped:
+            raise TenantRefused("unmapped_peer", f"your credentials read as uid {peer.uid} gid "
+                                f"{peer.gid} (the overflow ids): your user is not mapped into "
+                                "the daemon's user namespace, so the daemon cannot tell you from "
+                                "other unmapped users; present a configured tenant's token, or "
+                                "run the daemon in a user namespace that maps your uid and gid")
         if peer.uid in self._by_uid:
             return Assignment(self._by_uid[peer.uid], f"uid {peer.uid}")
         if peer.gid in self._by_gid:

@@ -24,6 +24,15 @@ from kvtierd.server.sessions import Session, SessionTable
 ADMIN_OPS = frozenset({Op.STATS, Op.CHECK})
 
 
+def holds_admin_token(cfg: Config, session: Session | None, header: dict) -> bool:
+    """The request may see what only the operator may (per-tenant figures): its ``token`` is
+    ``admin_token`` or ``auth_token``, or its session opened with ``auth_token``."""
+    if cfg.auth_token and session is not None:
+        return True
+    token = header.get("token")
+    return token_matches(token, cfg.auth_token) or token_matches(token, cfg.admin_token)
+
+
 def token_matches(given: Any, expected: str) -> bool:
     """Constant-time comparison of a header's token with a configured one (never empty)."""
     if not expected or not isinstance(given, str):
@@ -44,10 +53,7 @@ class Admission:
     def check_admin(self, op: Op, session: Session | None, header: dict) -> None:
         if op not in ADMIN_OPS or not (self.cfg.auth_token or self.cfg.admin_token):
             return
-        if self.cfg.auth_token and session is not None:
-            return  # its HELLO presented auth_token
-        token = header.get("token")
-        if token_matches(token, self.cfg.auth_token) or token_matches(token, self.cfg.admin_token):
+        if holds_admin_token(self.cfg, session, header):
             return
         raise self.refuse("auth", Status.AUTH_FAILED,
                           f"{op.name} needs a token: a 'token' field holding auth_token or "

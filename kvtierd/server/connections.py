@@ -30,7 +30,12 @@ What holds instead, three layers:
 
 So the descriptors a burst can take are bounded by the cap, the backlog and what arrives while the
 guard thread reacts (milliseconds), against a headroom of the cap again (the sessions' third is
-only used by sessions, which are capped as well). A TCP endpoint cannot be
+only used by sessions, which are capped as well).
+
+**Per user.** A connection's owner is the uid the kernel recorded for it (SO_PEERCRED of the
+accepted descriptor; a tcp peer: its address). An owner past ``per_owner_limit`` connections has
+its newest refused the same way, without hiding the socket, so one uid's idle connections cannot
+fill the global cap (and hide the socket from everyone else); only several owners together can. A TCP endpoint cannot be
 hidden, but libzmq's TCP listener survives EMFILE (it drops the connection).
 """
 
@@ -41,8 +46,10 @@ import logging
 import os
 import resource
 import socket as pysocket
+import struct
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -54,6 +61,7 @@ log = logging.getLogger(__name__)
 FD_RESERVE = 256  # descriptors kept for the daemon's own files, never for connections
 MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 POLL_MS = 100  # how often the guard thread looks at its stop flag
+_UCRED = struct.Struct("=iII")  # struct ucred: pid, uid, gid
 
 
 def raise_nofile_limit() -> int:
@@ -85,23 +93,29 @@ def connection_limit(configured: int, nofile: int) -> int:
 
 
 class ConnectionGuard:
-    """Counts the ROUTER's connections from its monitor and refuses those past ``limit``.
+    """Counts the ROUTER's connections from its monitor and refuses those past ``limit``, and
+    those of one owner past ``per_owner_limit``.
 
-    ``on_disconnect(monotonic_time)`` is called (from the guard thread) after a batch of events
-    that held at least one disconnect, so the loop can probe its sessions.
+    ``on_change(live, refused, refused_per_owner)`` is called (from the guard thread) after each
+    batch of events; ``on_disconnect(monotonic_time)`` after a batch that held at least one
+    disconnect, so the loop can probe its sessions.
     """
 
     def __init__(self, monitor: zmq.Socket, limit: int, ipc_path: Path | None,
-                 on_change: Callable[[int, int], None],
-                 on_disconnect: Callable[[float], None]) -> None:
+                 on_change: Callable[[int, int, int], None],
+                 on_disconnect: Callable[[float], None],
+                 per_owner_limit: int | None = None) -> None:
         self.monitor = monitor
         self.limit = limit
+        self.per_owner_limit = per_owner_limit or limit
         self.ipc_path = ipc_path
-        self.on_change = on_change  # (live connections, connections refused now)
+        self.on_change = on_change
         self.on_disconnect = on_disconnect
-        self.live: dict[int, None] = {}  # descriptors in accept order (dicts keep it)
+        self.live: dict[int, object] = {}  # descriptor -> owner, in accept order (dicts keep it)
+        self.per_owner: Counter = Counter()  # owner -> live connections not being refused
         self.refusing: set[int] = set()  # shut down, waiting for libzmq's disconnect
         self.refused_total = 0
+        self.refused_per_owner_total = 0
         self.hidden = False
         self._low = max(1, self.limit * 9 // 10)
         self._stop = threading.Event()
@@ -111,7 +125,8 @@ class ConnectionGuard:
     def stats(self) -> dict[str, int | bool]:
         """For STATS (read from the loop thread; plain ints and a bool)."""
         return {"open": len(self.live), "max": self.limit, "refused": self.refused_total,
-                "hidden": self.hidden}
+                "max_per_uid": self.per_owner_limit,
+                "refused_per_uid": self.refused_per_owner_total, "hidden": self.hidden}
 
     @staticmethod
     def hidden_path(path: Path) -> Path:
@@ -143,6 +158,7 @@ class ConnectionGuard:
 
     def _drain(self) -> None:
         disconnected = False
+        per_owner = 0
         while True:
             try:
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
@@ -150,16 +166,37 @@ class ConnectionGuard:
                 break
             fd = event["value"]
             if event["event"] == zmq.EVENT_ACCEPTED:
-                self.live[fd] = None
+                per_owner += self._accepted(fd)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self.live.pop(fd, None)
-                self.refusing.discard(fd)
+                owner = self.live.pop(fd, None)
+                if fd in self.refusing:
+                    self.refusing.discard(fd)
+                elif owner is not None:
+                    self.per_owner[owner] -= 1
+                    if self.per_owner[owner] <= 0:
+                        del self.per_owner[owner]
                 disconnected = True
         refused = self._refuse_excess()
         self._gate()
-        self.on_change(len(self.live), refused)
+        self.on_change(len(self.live), refused, per_owner)
         if disconnected:
             self.on_disconnect(time.monotonic())
+
+    def _accepted(self, fd: int) -> int:
+        """Record a new connection; refuse it (1) when its owner already has its share."""
+        owner = owner_of(fd)
+        self.live[fd] = owner
+        if self.per_owner[owner] < self.per_owner_limit or self.per_owner_limit >= self.limit:
+            self.per_owner[owner] += 1
+            return 0
+        _shutdown(fd)
+        self.refusing.add(fd)
+        self.refused_per_owner_total += 1
+        if self.refused_per_owner_total in (1, 10, 100) or not self.refused_per_owner_total % 1000:
+            log.warning("connection of %s refused: it has %d open, max_connections_per_uid is "
+                        "%d (%d refused so far)", _describe(owner), self.per_owner[owner],
+                        self.per_owner_limit, self.refused_per_owner_total)
+        return 1
 
     def _refuse_excess(self) -> int:
         excess = len(self.live) - len(self.refusing) - self.limit
@@ -169,6 +206,10 @@ class ConnectionGuard:
         for fd in newest:
             _shutdown(fd)
             self.refusing.add(fd)
+            owner = self.live[fd]
+            self.per_owner[owner] -= 1
+            if self.per_owner[owner] <= 0:
+                del self.per_owner[owner]
         self.refused_total += len(newest)
         log.warning("%d connection(s) refused: %d open, max_connections is %d (total refused %d)",
                     len(newest), len(self.live), self.limit, self.refused_total)
@@ -202,6 +243,29 @@ class ConnectionGuard:
             return
         self.hidden = False
         log.info("%s accepts connections again (%d open)", self.ipc_path, len(self.live))
+
+
+def owner_of(fd: int) -> object:
+    """Whose connection ``fd`` is: ``("uid", N)`` from SO_PEERCRED on a Unix socket, ``("addr",
+    IP)`` for a tcp peer, ``("unknown", None)`` when neither can be read (gone meanwhile)."""
+    try:
+        sock = pysocket.socket(fileno=fd)
+    except OSError:
+        return ("unknown", None)
+    try:
+        if sock.family == pysocket.AF_UNIX:
+            raw = sock.getsockopt(pysocket.SOL_SOCKET, pysocket.SO_PEERCRED, _UCRED.size)
+            return ("uid", _UCRED.unpack(raw)[1])
+        return ("addr", sock.getpeername()[0])
+    except OSError:
+        return ("unknown", None)
+    finally:
+        sock.detach()  # the descriptor stays libzmq's
+
+
+def _describe(owner: object) -> str:
+    kind, value = owner  # type: ignore[misc]
+    return f"uid {value}" if kind == "uid" else f"{value}" if kind == "addr" else "an unknown peer"
 
 
 def _shutdown(fd: int) -> None:

@@ -32,7 +32,8 @@ from kvtierd.events import NO_EVENTS, ChainEventsAdapter, EventsCollector, NoEve
 from kvtierd.ghost import GhostCaches, GhostCollector
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.notify import Notifier
-from kvtierd.protocol import PROTOCOL_VERSION, Op, Status, pack, reply
+from kvtierd.peer import read_user_namespace
+from kvtierd.protocol import PROTOCOL_VERSION, Op, ProtocolError, Status, pack, reply
 from kvtierd.server import heap_trim, tier_setup
 from kvtierd.server.accounting import Accounting
 from kvtierd.server.admission import Admission
@@ -57,7 +58,7 @@ from kvtierd.server.startup import (  # noqa: F401 (StartupError: the CLI's impo
 )
 from kvtierd.tenants import TenantTable
 from kvtierd.server.tickets import TicketBook
-from kvtierd.staging import MemfdStaging
+from kvtierd.staging import MemfdStaging, seal_protects
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.cpu import CpuTier
 from kvtierd.tiers.lower import LowerTier, PublishPolicy
@@ -93,18 +94,21 @@ class Daemon(RequestServing):
         self.socket: zmq.Socket | None = None
         self.guard: ConnectionGuard | None = None
         self.tickets = TicketBook(cfg.ticket_timeout_s, MAX_TICKETS)
+        self.userns = read_user_namespace()
+        if not self.userns.maps_every_id:
+            log.warning("kvtierd runs outside the initial user namespace: %s",
+                        self.userns.describe())
         # The handshake maps clients' memfds only once serve() starts its thread (self.arena
         # exists by then); binding it now lets a bad path fail before the arena.
         self.handshake = HandshakeServer(
-            cfg.handshake_path, cfg.socket_mode_bits, self.tickets,
-            lambda fd, nbytes: MemfdStaging(fd, nbytes, cfg.max_staging_bytes, self.arena.inode),
-            cfg.max_staging_bytes, self.metrics.handshakes)
+            cfg.handshake_path, cfg.socket_mode_bits, self.tickets, self._memfd_opener(),
+            cfg.max_staging_bytes, self.metrics.handshakes, self.userns)
         try:
             # Binds first: a taken port or an unbindable path ends the start before the arena.
             self.ctx, self.socket, self.monitor = bind_router(cfg, MONITOR_EVENTS)
             bind_handshake(self.handshake, cfg)
             self.events = bind_events(cfg)  # kv-events hook: bound before the arena
-            self.metrics_address = serve_metrics(self.metrics, cfg.metrics_addr)
+            self.metrics_address = serve_metrics(self.metrics, cfg)
             prepare_arena_room(cfg)
             self.notifier.status(f"mapping the CPU tier ({cfg.cpu_bytes} bytes)")
             started = time.perf_counter()
@@ -126,6 +130,23 @@ class Daemon(RequestServing):
             self._abandon_start(exc)
             self.arena.close(unlink=not cfg.cpu_persistent)
             raise
+
+    def _memfd_opener(self) -> Callable[[int, object], MemfdStaging]:
+        """What maps a handshake's memfd: ``MemfdStaging``, or, on a kernel where the daemon's
+        F_SEAL_FUTURE_WRITE does not stop a client from punching its pages out, a refusal (the
+        daemon's copies would fault the client's memory in, charged to the daemon)."""
+        problem = seal_protects()
+        if problem is not None:
+            log.error("memfd staging is refused on this kernel: %s; clients need CUDA IPC or "
+                      "inline staging (Linux 5.1 or later keeps sealed staging whole)", problem)
+
+            def refuse(fd: int, nbytes: object) -> MemfdStaging:
+                raise ProtocolError(Status.BAD_HANDLE, f"memfd staging is refused by this daemon: "
+                                    f"on its kernel {problem}; use inline or CUDA IPC staging")
+            return refuse
+        cfg = self.cfg
+        return lambda fd, nbytes: MemfdStaging(fd, nbytes, cfg.max_staging_bytes,
+                                               self.arena.inode)
 
     def _abandon_start(self, exc: BaseException) -> None:
         """A start that failed after binding: report it, then close what was bound."""
@@ -271,16 +292,22 @@ class Daemon(RequestServing):
         """The handshake and connection-guard threads, on sockets bound at start (the monitor
         queued whatever connected meanwhile)."""
         self.handshake.start()
+        per_uid = min(self.max_connections, self.cfg.per_uid_cap("max_connections"))
+        if not self.cfg.max_connections_per_uid:  # derived: from the cap in force
+            per_uid = max(1, self.max_connections // 4)
         self.guard = ConnectionGuard(self.monitor, self.max_connections, self.cfg.ipc_path,
-                                     self._connections_changed, self.probes.disconnected)
+                                     self._connections_changed, self.probes.disconnected,
+                                     per_uid)
         self.guard.start()
         self.handlers.connections = self.guard.stats
 
-    def _connections_changed(self, live: int, refused: int) -> None:
+    def _connections_changed(self, live: int, refused: int, refused_per_uid: int) -> None:
         """Called from the guard's thread (prometheus-client's metrics are thread-safe)."""
         self.metrics.connections.set(live)
         if refused:
             self.metrics.refused.labels("connections").inc(refused)
+        if refused_per_uid:
+            self.metrics.refused.labels("connections_per_uid").inc(refused_per_uid)
 
     def _loop(self) -> None:
         assert self.socket is not None

@@ -50,6 +50,7 @@ from kvtierd.tenants import TenantTable
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
 
 log = logging.getLogger(__name__)
+_OK, _MISS = int(Status.OK), int(Status.MISS)
 
 
 class DataOps(JobCompletions):
@@ -472,6 +473,12 @@ class DataOps(JobCompletions):
         session = batch.session
         if deferred:
             session.batches_in_flight -= 1
+        if session.closed and batch.op is Op.GET:
+            # Its routing id may be another peer's by now (libzmq lets a peer claim any id): a
+            # closed session's GET reply says nothing of what it found and carries no bytes.
+            fields = {**fields, "results": [_MISS if r == _OK else r for r in fields["results"]]}
+            batch.out_frames = [b""] * len(batch.out_frames)
+            batch.inline_bytes = 0
         header = reply(batch.request_id, Status.OK, **fields)
         tracker = self.send(session.identity, header, batch.out_frames,
                             track=batch.inline_bytes > 0)

@@ -12,7 +12,7 @@ from kvtierd.protocol import PROTOCOL_VERSION, Op, ProtocolError, Status
 
 def check_envelope(header: dict) -> Op:
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # not 3.0, not True
         raise ProtocolError(
             Status.UNSUPPORTED_VERSION,
             f"protocol version {version!r} is not supported; this daemon speaks "

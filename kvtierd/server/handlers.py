@@ -29,13 +29,13 @@ from kvtierd.protocol import (
 )
 from kvtierd.server import requests
 from kvtierd.server.accounting import Accounting
-from kvtierd.server.admission import token_matches
+from kvtierd.server.admission import holds_admin_token, token_matches
 from kvtierd.server.chain import MISSED, ChainEvents, TierChain
 from kvtierd.server.sessions import Session, SessionTable
 from kvtierd.server.tickets import TicketBook
 from kvtierd.staging import MemfdStaging
 from kvtierd.staging_cuda import CudaIpcStaging
-from kvtierd.tenants import OTHER_LABEL, TenantTable
+from kvtierd.tenants import OTHER_LABEL, TenantRefused, TenantTable
 from kvtierd.tiers.base import MISMATCH_SLOT, MISS_SLOT
 from kvtierd.tiers.chunk import ChunkEntry
 
@@ -98,8 +98,15 @@ class OpHandlers:
         # without one (an inline client over TCP) only a tenant token places it outside
         # "anonymous". Opened last: nothing after it can refuse the HELLO.
         staging, peer = self._open_staging(staging_spec)
-        assigned = self.tenants.resolve(peer, token)
         try:
+            try:
+                assigned = self.tenants.resolve(peer, token)
+            except TenantRefused as exc:
+                self.metrics.refused.labels(exc.reason).inc()
+                log.info("HELLO of %s refused: %s", peer.describe() if peer else "a peer "
+                         "without credentials", exc.message)
+                raise
+            self._check_sessions_of(peer, identity)
             session = Session(identity, assigned.tenant, namespace, rank, world_size, fingerprint,
                               staging, client, peer=peer)
             self.sessions.add(session)
@@ -116,11 +123,26 @@ class OpHandlers:
         )
         return {
             "session": session.id,
+            "secret": session.secret,  # every later request of the session carries it
             "page_bytes": self.cfg.page_bytes,
             "daemon": __version__,
             "limits": self.limits(),
             "events": bool(self.cfg.events_addr),  # PUT's ``blocks`` is worth sending
         }
+
+    def _check_sessions_of(self, peer: Peer | None, identity: bytes) -> None:
+        """BUSY when the peer's uid already holds ``max_sessions_per_uid`` sessions (sessions
+        without credentials count as one user), so one user cannot take every session. The
+        session this HELLO replaces (same routing id) does not count."""
+        uid = peer.uid if peer is not None else None
+        cap = self.cfg.per_uid_cap("max_sessions")
+        held = self.sessions.count_of_uid(uid, excluding=identity)
+        if held < cap:
+            return
+        self.metrics.refused.labels("sessions_per_uid").inc()
+        who = f"uid {uid}" if uid is not None else "peers without credentials"
+        raise ProtocolError(Status.BUSY, f"{who} already hold(s) {held} sessions, "
+                            f"max_sessions_per_uid is {cap}; close one (BYE) or retry later")
 
     def _authorise(self, header: dict) -> str:
         """The HELLO token ("" if none), refused when it does not open this daemon: with an
@@ -392,7 +414,11 @@ class OpHandlers:
                     "page_bytes": self.cfg.page_bytes,
                 },
                 "tiers": dict(self.mover.tier_stats()),
-                "tenants": self.tenant_stats(),
+                # per-tenant rows only for the operator (README "Security model")
+                **({"tenants": self.tenant_stats()} if self.cfg.expose_tenant_stats
+                   or holds_admin_token(self.cfg, session, header) else
+                   {"tenants_hidden": "per-tenant figures need admin_token or auth_token (or "
+                                      "expose_tenant_stats = true)"}),
                 "sessions": len(self.sessions),
                 "connections": self.connections() if self.connections else {},
                 "handshake": {"socket": str(self.cfg.handshake_path), "tickets": len(self.tickets),

@@ -5,10 +5,17 @@ It runs on a thread of its own with non-blocking connections in one selector, so
 does here reaches the request loop: a connection that sends nothing is closed at its deadline
 (``DEADLINE_S``), garbage or more than ``MAX_HANDSHAKE_BYTES`` is answered and closed at once, at
 most ``MAX_CONNECTIONS`` handshakes are open together and ``MAX_CONNECTIONS_PER_UID`` of one user
-(more are answered BUSY and closed), and at
-most one descriptor is taken from a message (the control buffer has room for ``MAX_FDS``; every
-descriptor received is closed once the handshake ends, a mapped memfd stays alive through its
-mapping). Credentials come from SO_PEERCRED of the connection, never from the message.
+(more are answered BUSY and closed). The message is exactly one msgpack map whose ``v`` is the
+integer ``PROTOCOL_VERSION``; anything after the map is refused.
+
+Descriptors: a handshake carries at most one (a memfd), and a connection that ever carries a
+second one is refused at once and every descriptor it brought closed, whatever the read
+boundaries (a client that trickles a message in 1-byte ``sendmsg`` calls, each with descriptors,
+would otherwise make one connection hold thousands until its message completes, and libzmq aborts
+the daemon at the first EMFILE). The control buffer has room for ``MAX_FDS`` = 2, so a read sees
+one too many; the kernel closes what does not fit. A received memfd is closed once the handshake
+ends (its mapping keeps it alive). Credentials come from SO_PEERCRED of the connection, never from
+the message, translated by ``kvtierd.peer.UserNamespace``.
 
 A successful handshake leaves a ticket in the ``TicketBook``; the HELLO presenting it gets the
 peer and (memfd) the verified mapping.
@@ -30,7 +37,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from kvtierd.peer import Peer
+from kvtierd.peer import Peer, UserNamespace, read_user_namespace
 from kvtierd.protocol import (
     MAX_HANDSHAKE_BYTES,
     PROTOCOL_VERSION,
@@ -48,7 +55,8 @@ MAX_CONNECTIONS = 64  # handshakes in progress at once
 MAX_CONNECTIONS_PER_UID = 16  # ... of one user: its silent connections cannot lock others out
 BACKLOG = 256  # connections the kernel queues before the thread accepts them
 DRAIN_BYTES = 256 * 1024  # unread input discarded before a close, so that the answer arrives
-MAX_FDS = 4  # control-buffer room: more than one fd is refused, more than this is truncated
+MAX_FDS = 2  # control-buffer room: one allowed descriptor and one to see that there are too many
+MAX_FDS_PER_CONNECTION = 1  # a memfd; cuda_ipc and inline carry none
 _UCRED = struct.Struct("=iII")  # struct ucred: pid_t pid; uid_t uid; gid_t gid
 
 #: ``open_memfd(fd, nbytes) -> staging``: verify and map (raises ProtocolError BAD_HANDLE).
@@ -65,11 +73,12 @@ class _Conn:
     truncated: bool = False  # the control data did not fit: more descriptors than MAX_FDS
 
 
-def peer_of(sock: socket.socket) -> Peer:
-    """The connected process's credentials as the kernel recorded them at connect."""
+def peer_of(sock: socket.socket, userns: UserNamespace) -> Peer:
+    """The connected process's credentials as the kernel recorded them at connect (translated
+    into the daemon's user namespace)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)
-    return Peer(uid=uid, gid=gid, pid=pid)
+    return userns.peer(uid, gid, pid)
 
 
 def reply(status: Status, message: str = "", ticket: bytes = b"", expires_s: float = 0.0) -> bytes:
@@ -79,9 +88,12 @@ def reply(status: Status, message: str = "", ticket: bytes = b"", expires_s: flo
 
 class HandshakeServer:
     def __init__(self, path: Path, mode: int, tickets: TicketBook, open_memfd: OpenMemfd,
-                 max_staging_bytes: int, counter: Any = None) -> None:
-        """``counter``: a prometheus Counter labelled (kind, status), or None."""
+                 max_staging_bytes: int, counter: Any = None,
+                 userns: UserNamespace | None = None) -> None:
+        """``counter``: a prometheus Counter labelled (kind, status), or None; ``userns``: the
+        daemon's user namespace (read from /proc when None)."""
         self.path = path
+        self.userns = userns or read_user_namespace()
         self.mode = mode
         self.tickets = tickets
         self.open_memfd = open_memfd
@@ -170,7 +182,12 @@ class HandshakeServer:
                                             f"(the limit is {MAX_CONNECTIONS}); retry shortly"))
                 self._count("invalid", Status.BUSY)
                 continue
-            peer = peer_of(sock)
+            try:
+                peer = peer_of(sock, self.userns)
+            except OSError as exc:  # the peer is already gone
+                log.debug("handshake peer credentials unreadable: %s", exc.strerror)
+                sock.close()
+                continue
             mine = sum(1 for c in conns.values() if c.peer.uid == peer.uid)
             if mine >= MAX_CONNECTIONS_PER_UID:
                 _send_and_close(sock, reply(Status.BUSY, f"{mine} handshakes of uid {peer.uid} in "
@@ -193,6 +210,13 @@ class HandshakeServer:
             return
         conn.fds.extend(fds)
         conn.truncated |= bool(flags & socket.MSG_CTRUNC)
+        if conn.truncated or len(conn.fds) > MAX_FDS_PER_CONNECTION:
+            self._count("invalid", Status.BAD_HANDLE)
+            self._finish(sel, conns, conn, reply(
+                Status.BAD_HANDLE, f"handshake carries more than {MAX_FDS_PER_CONNECTION} file "
+                "descriptor; allowed: exactly one memfd for kind memfd, none for the other kinds, "
+                "in the sendmsg of the message"))
+            return
         conn.data += data
         if len(conn.data) > MAX_HANDSHAKE_BYTES:
             self._count("invalid", Status.TOO_LARGE)
@@ -214,11 +238,13 @@ class HandshakeServer:
             self._finish(sel, conns, conn, reply(
                 Status.BAD_MESSAGE, f"handshake is not valid msgpack: {exc}"))
             return
-        self._finish(sel, conns, conn, self._answer(conn, message))
+        self._finish(sel, conns, conn,
+                     self._answer(conn, message, len(conn.data) - unpacker.tell()))
 
-    def _answer(self, conn: _Conn, message: Any) -> bytes:
+    def _answer(self, conn: _Conn, message: Any, extra: int) -> bytes:
+        """``extra``: bytes that followed the message's map."""
         try:
-            kind, nbytes = self._check(conn, message)
+            kind, nbytes = self._check(conn, message, extra)
             staging = self.open_memfd(conn.fds[0], nbytes) if kind == "memfd" else None
             try:
                 ticket = self.tickets.issue(kind, conn.peer, nbytes, staging)
@@ -244,14 +270,18 @@ class HandshakeServer:
         if self._counter is not None:
             self._counter.labels(kind, status.name).inc()
 
-    def _check(self, conn: _Conn, message: Any) -> tuple[str, int]:
+    def _check(self, conn: _Conn, message: Any, extra: int) -> tuple[str, int]:
         if not isinstance(message, dict):
             raise ProtocolError(Status.BAD_MESSAGE, f"handshake must be a msgpack map, got "
                                 f"{type(message).__name__}")
-        if message.get("v") != PROTOCOL_VERSION:
+        if extra:
+            raise ProtocolError(Status.BAD_MESSAGE, f"{extra} byte(s) follow the handshake map; "
+                                "allowed: exactly one msgpack map")
+        version = message.get("v")
+        if type(version) is not int or version != PROTOCOL_VERSION:  # not 3.0, not True
             raise ProtocolError(Status.UNSUPPORTED_VERSION, f"handshake version "
-                                f"{message.get('v')!r:.40} is not supported; this daemon speaks "
-                                f"{PROTOCOL_VERSION}")
+                                f"{version!r:.40} is not supported; this daemon speaks "
+                                f"{PROTOCOL_VERSION} (the integer)")
         kind = message.get("kind")
         if kind not in STAGING_KINDS:
             raise ProtocolError(Status.BAD_HANDLE, f"handshake kind {kind!r:.40} is unknown; "

@@ -52,9 +52,10 @@ class RequestServing:
             request_id = header.get("id")
             op = envelope.check_envelope(header)
             op_label = op.name.lower()
-            envelope.check_frame_count(op, self.sessions.by_identity.get(identity),
-                                       len(frames) - 1, self.cfg.max_batch)
-            result = self._run(op, identity, header, [f.buffer for f in frames[2:]])
+            session = (None if op is Op.HELLO
+                       else self.sessions.get(identity, header.get("secret")))
+            envelope.check_frame_count(op, session, len(frames) - 1, self.cfg.max_batch)
+            result = self._run(op, identity, session, header, [f.buffer for f in frames[2:]])
             if result is None:
                 return  # copies in flight: answered by OpHandlers.finish
             fields, out = result if isinstance(result, tuple) else (result, [])
@@ -70,12 +71,17 @@ class RequestServing:
         self.metrics.requests.labels(op_label, status_label).inc()
         self.metrics.latency.labels(op_label).observe(time.perf_counter() - started)
 
-    def _run(self, op: Op, identity: bytes, header: dict, payload: list) -> Any:
+    def _run(self, op: Op, identity: bytes, session: Any, header: dict, payload: list) -> Any:
+        """``session``: the sender's, when the request carries its secret (None for HELLO)."""
         if op is Op.HELLO:
             self.admission.check_hello(self.sessions, identity)
             return self.handlers.hello(identity, header, payload)
-        session = self.sessions.get(identity)
         if session is None and op in NEEDS_SESSION:
+            if identity in self.sessions.by_identity:  # a session, but not this request's
+                raise self.admission.refuse(
+                    "secret", Status.NO_SESSION, f"{op.name} does not carry the secret of the "
+                    "session on this routing id (HELLO's reply 'secret', sent as 'secret' in "
+                    "every request); send HELLO to open a session of your own")
             raise ProtocolError(
                 Status.NO_SESSION, f"{op.name} needs a session: send HELLO first (or again)"
             )

@@ -1,19 +1,24 @@
 """Client sessions: who may address which keys, through which staging buffer, until when.
 
 A session starts with HELLO and ends with BYE, a ZeroMQ disconnect of its peer, or silence longer
-than ``session_timeout_s``. Ending it aborts its PENDING reservations and releases its leases, so a
+than ``session_timeout_s``. It is found by its peer's routing id *and* the ``secret`` its HELLO
+reply gave (``get``): libzmq lets any peer claim any routing id, so a process that reconnects with
+the id of a connection that closed without BYE must not inherit that session. Ending it aborts its PENDING reservations and releases its leases, so a
 ``kill -9`` of a worker leaks nothing. Its staging buffer is unmapped once no copy uses it any more.
 """
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from kvtierd.peer import Peer
+from kvtierd.protocol import SECRET_BYTES
 from kvtierd.staging import MemfdStaging
 from kvtierd.tiers.chunk import ChunkEntry
 from kvtierd.tiers.cpu import CpuTier
@@ -36,6 +41,8 @@ class Session:
     # Kernel-reported credentials from the staging handshake; None without one (inline over TCP).
     peer: Peer | None = None
     id: int = field(default_factory=lambda: next(_ids))
+    # Every request of the session carries it (protocol 3); only HELLO's reply says it.
+    secret: bytes = field(default_factory=lambda: secrets.token_bytes(SECRET_BYTES), repr=False)
     last_seen: float = field(default_factory=time.monotonic)
     # ikey -> (leased entry, expiry on the monotonic clock)
     leases: dict[Hashable, tuple[ChunkEntry, float]] = field(default_factory=dict)
@@ -80,11 +87,22 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self.by_identity)
 
-    def get(self, identity: bytes) -> Session | None:
+    def get(self, identity: bytes, secret: object) -> Session | None:
+        """The session of ``identity`` when ``secret`` is its secret (compared in constant time),
+        which also counts as its heartbeat; None otherwise (no session, or a request that is not
+        the session's own)."""
         session = self.by_identity.get(identity)
-        if session is not None:
-            session.last_seen = time.monotonic()
+        if session is None or not isinstance(secret, bytes) or not hmac.compare_digest(
+                session.secret, secret):
+            return None
+        session.last_seen = time.monotonic()
         return session
+
+    def count_of_uid(self, uid: int | None, excluding: bytes = b"") -> int:
+        """Sessions whose peer has ``uid`` (None: sessions without credentials), the one of
+        routing id ``excluding`` aside."""
+        return sum(1 for identity, s in self.by_identity.items() if identity != excluding
+                   and (s.peer.uid if s.peer is not None else None) == uid)
 
     def add(self, session: Session) -> None:
         old = self.by_identity.get(session.identity)

@@ -102,10 +102,13 @@ def _prepare_ipc_path(key: str, endpoint: str, path: Path, mode: int) -> None:
         raise StartupError(key, endpoint, str(exc)) from None
 
 
-def serve_metrics(metrics, addr: str) -> str:
-    """Start the /metrics exporter; its URL ("" when off); StartupError naming metrics_addr."""
+def serve_metrics(metrics, cfg: Config) -> str:
+    """Start the /metrics exporter; its URL ("" when off); StartupError naming metrics_addr.
+    Per-tenant series go to scrapes bearing admin_token or auth_token (or to every scrape, with
+    expose_tenant_stats)."""
+    addr = cfg.metrics_addr
     try:
-        bound = metrics.serve(addr)
+        bound = metrics.serve(addr, (cfg.admin_token, cfg.auth_token), cfg.expose_tenant_stats)
     except OSError as exc:
         reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror or exc
         raise StartupError("metrics_addr", addr, f"cannot listen: {reason}") from None

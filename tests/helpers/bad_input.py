@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 import msgpack
 from helpers.daemon import DaemonProcess
-from helpers.handshake import MemfdBuffer
+from helpers.handshake import MemfdBuffer, inline_staging
 from helpers.raw import RawClient
 
 from kvtierd.protocol import Op, Status
@@ -24,14 +24,15 @@ SENTINEL = 0x5A
 
 class Session:
     """A raw client that said HELLO (memfd staging handed over by the handshake if given, else
-    inline)."""
+    inline with our credentials: an inline handshake's ticket)."""
 
     def __init__(self, address: str, namespace: str, *, staging: MemfdBuffer | None = None,
                  fingerprint: str = "fp-a", rank: int = 0, timeout_s: float = 10.0,
                  **extra: Any) -> None:
         self.raw = RawClient(address, timeout_s=timeout_s)
         self.staging = staging
-        spec = staging.hello_staging(address) if staging is not None else {"kind": "inline"}
+        spec = (staging.hello_staging(address) if staging is not None
+                else inline_staging(address))
         extra.setdefault("world_size", rank + 1)
         reply, _ = self.raw.request(Op.HELLO, namespace=namespace, rank=rank,
                                     fingerprint=fingerprint, staging=spec, **extra)
@@ -112,7 +113,11 @@ def bystander(daemon: DaemonProcess, memfd: Callable[..., MemfdBuffer], **hello:
 
 
 def start_daemon(root: Path, name: str, *flags: str, **kwargs: Any) -> DaemonProcess:
-    proc = DaemonProcess(root / name, list(flags), **kwargs)
+    """A bad-input test daemon. It allows the anonymous tenant: its HELLOs test the fields, most
+    of them refused before the staging is looked at, and a ticket per refused HELLO would pile
+    up against the per-uid ticket cap (tests/integration/test_trust_boundary.py tests the
+    default, which refuses anonymous sessions on ipc)."""
+    proc = DaemonProcess(root / name, ["--anonymous-tenant", "allow", *flags], **kwargs)
     proc.start()
     return proc
 

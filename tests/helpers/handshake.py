@@ -33,7 +33,7 @@ from kvtierd.control import call
 from kvtierd.protocol import PROTOCOL_VERSION, Op
 
 PAGE = mmap.PAGESIZE
-SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # as kvtier_client seals; the daemon adds the rest
 F_SEAL_WRITE = fcntl.F_SEAL_WRITE
 F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; not in Python's fcntl module
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -76,6 +76,13 @@ def ticket(address: str, kind: str, nbytes: int = 0, fds: Sequence[int] = ()) ->
     assert answer["name"] == "OK", answer
     assert len(answer["ticket"]) == 16 and answer["expires_s"] > 0, answer
     return answer["ticket"]
+
+
+def inline_staging(address: str) -> dict:
+    """HELLO's ``staging`` for an inline session with our credentials (an inline handshake's
+    ticket): what a local client without shared memory sends. Without the ticket the session
+    would be the ``anonymous`` tenant, which an ipc daemon refuses by default."""
+    return {"kind": "inline", "ticket": ticket(address, "inline")}
 
 
 class MemfdBuffer:

@@ -1,4 +1,8 @@
-"""A raw DEALER for protocol tests: sends whatever frames a test builds, returns the reply."""
+"""A raw DEALER for protocol tests: sends whatever frames a test builds, returns the reply.
+
+``request`` keeps the ``secret`` of the last HELLO answered OK and adds it to every later request
+(protocol 3), unless the request names its own ``secret`` (or ``secret=None``: none at all);
+``send_frames`` sends exactly what it is given."""
 
 from __future__ import annotations
 
@@ -13,12 +17,17 @@ from kvtierd.protocol import PROTOCOL_VERSION, Op
 
 
 class RawClient:
-    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 10.0, routing_id: bytes | None = None
+                 ) -> None:
+        self.address = address
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if routing_id is not None:  # a peer may claim any routing id (the takeover tests)
+            self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
         self.sock.connect(address)
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
+        self.secret: bytes | None = None  # of the session the last OK HELLO opened
 
     def send_frames(self, frames: list[bytes]) -> None:
         self.sock.send_multipart(frames)
@@ -36,10 +45,17 @@ class RawClient:
 
     def request(self, op: Op | int, frames: list[bytes] | None = None, **fields: Any
                 ) -> tuple[dict, list[bytes]]:
-        header = {"v": PROTOCOL_VERSION, "op": int(op), "id": next(self._ids), **fields}
+        header = {"v": PROTOCOL_VERSION, "op": int(op), "id": next(self._ids)}
+        if self.secret is not None and int(op) != Op.HELLO:
+            header["secret"] = self.secret
+        header.update(fields)
+        if header.get("secret", b"") is None:
+            del header["secret"]
         self.send_frames([msgpack.packb(header, use_bin_type=True), *(frames or [])])
         reply, payload = self.recv()
         assert reply["id"] == header["id"], reply
+        if int(op) == Op.HELLO and reply.get("name") == "OK":
+            self.secret = reply["secret"]
         return reply, payload
 
     def close(self) -> None:

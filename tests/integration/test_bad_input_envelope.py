@@ -19,7 +19,7 @@ from helpers.bad_input import (
     write_toml,
 )
 from helpers.daemon import DaemonProcess
-from helpers.handshake import ticket
+from helpers.handshake import inline_staging, ticket
 from helpers.raw import RawClient
 
 from kvtierd.protocol import PROTOCOL_VERSION, Op, Status
@@ -83,7 +83,9 @@ def test_unknown_op(shared, memfd, op):
             raw.close()
 
 
-@pytest.mark.parametrize("version", [1, 3, 0, "2", None, "missing"])
+@pytest.mark.parametrize("version", [1, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, 0,
+                                     str(PROTOCOL_VERSION), float(PROTOCOL_VERSION), True, None,
+                                     "missing"])
 def test_unsupported_protocol_version(shared, memfd, version):
     header = {"op": int(Op.PING), "id": 41}
     if version != "missing":
@@ -280,6 +282,10 @@ def test_auth_token_is_required(daemon_factory, tmp_path, memfd):
                 assert "token" in reply["message"] and "s3cret" not in reply["message"]
                 _assert_no_session(raw)
             reply, _ = raw.request(Op.HELLO, **_hello_fields(token="s3cret"))
+            assert reply["name"] == "AUTH_FAILED", reply  # auth_token alone names no tenant
+            assert "anonymous_tenant" in reply["message"], reply
+            reply, _ = raw.request(Op.HELLO, **_hello_fields(
+                token="s3cret", staging=inline_staging(d.address)))
             assert reply["name"] == "OK", reply
             assert raw.request(Op.LOOKUP, keys=[b"k"])[0]["name"] == "OK"
         finally:

@@ -365,7 +365,7 @@ def test_staging_file_truncated_after_hello_does_not_kill_the_daemon(daemon_fact
                 key = b"second" if op is Op.PUT else b"first"
                 buf.fill(POISON, 512 * 1024, 512 * 1024 + CHUNK) if op is Op.GET else None
                 s.raw.send_frames([packed({"v": PROTOCOL_VERSION, "op": int(op), "id": 50,
-                                            "items": [[key, 512 * 1024 if op is Op.GET else 0,
+                                            "secret": s.raw.secret, "items": [[key, 512 * 1024 if op is Op.GET else 0,
                                                        CHUNK]]})])
                 reply = _reply_or_death(s.raw, d)
                 assert reply is not None, f"the daemon died ({d.proc.returncode})"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from helpers.bad_input import bystander, item_errors, names, namespace
 from helpers.nvme import InlineSession, payload
+from helpers.handshake import inline_staging
 from helpers.raw import RawClient
 
 from kvtierd.protocol import Op, Tier
@@ -112,7 +113,8 @@ def _attack_and_survive(d, victim) -> None:
         for rank in (2**63, 2**64 - 1):
             reply = _hello(raw, namespace="attacker", rank=rank, world_size=4096)
             assert reply["name"] == "BAD_REQUEST", reply
-        reply = _hello(raw, namespace="attacker", rank=4095, world_size=4096)  # the real maximum
+        reply = _hello(raw, namespace="attacker", rank=4095, world_size=4096,  # the real maximum
+                       staging=inline_staging(d.address))
         assert reply["name"] == "OK", reply
         attacker_chunk = payload("attacker", 70_000)
         reply, _ = raw.request(Op.PUT, [attacker_chunk], items=[[b"a", 0, len(attacker_chunk)]])

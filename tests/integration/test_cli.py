@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.handshake import inline_staging
 from helpers.raw import RawClient
 
-from kvtierd.protocol import Op
+from kvtierd.protocol import PROTOCOL_VERSION, Op
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -160,7 +161,7 @@ def _traffic(address: str) -> None:
     raw = RawClient(address)
     try:
         reply, _ = raw.request(Op.HELLO, namespace="cli", rank=0, world_size=1, fingerprint="fp-a",
-                               staging={"kind": "inline"})
+                               staging=inline_staging(address))
         assert reply["name"] == "OK", reply
         reply, _ = raw.request(Op.PUT, [b"x" * 1000], items=[[b"k", 0, 1000]])
         assert reply["results"] == [0], reply
@@ -179,7 +180,7 @@ def test_stats_prints_a_table_with_tiers_and_hit_rates(daemon):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert f"socket  {daemon.address}" in out
-    assert "protocol 2" in out
+    assert f"protocol {PROTOCOL_VERSION}" in out
     tables, planning = out.split("\ncapacity planning", 1)  # planning: test_ghost_metrics.py
     rows = {line.split()[0]: line.split() for line in tables.splitlines() if line.strip()}
     assert rows["tier"] == ["tier", "capacity", "used", "used%", "chunks", "pending",

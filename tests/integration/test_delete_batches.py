@@ -26,8 +26,10 @@ def test_a_delete_batch_keeps_every_keys_outcome(daemon_factory, memfd, nvme_byt
     buf = memfd(COUNT * SIZE)
     payload = rng.randbytes(COUNT * SIZE)
     buf.write(0, payload)
+    theirs = memfd(SIZE)  # a memfd goes to one session only (the daemon seals it)
+    theirs.write(0, payload[:SIZE])
     a = Session(d.address, "deletes", staging=buf, fingerprint="fp-a")
-    other = Session(d.address, "deletes", staging=buf, fingerprint="fp-b")
+    other = Session(d.address, "deletes", staging=theirs, fingerprint="fp-b")
     try:
         keys = [f"chunk-{i}".encode() for i in range(COUNT)]
         assert names(a.put([[k, i * SIZE, SIZE] for i, k in enumerate(keys)])["results"]) == (

@@ -15,6 +15,7 @@ import pytest
 import zmq
 from helpers.bad_input import Session, names, namespace, write_toml
 from helpers.metrics import sample
+from helpers.handshake import inline_staging
 from helpers.raw import RawClient
 from helpers.wait import wait_for
 
@@ -104,7 +105,9 @@ def _connect_until_refused(path: Path, count: int) -> list[pysocket.socket]:
 
 
 def test_connections_past_rlimit_nofile_do_not_abort(daemon_factory, many_fds):
-    d = daemon_factory(preexec_fn=_nofile_1024)
+    # one uid's crowd: the per-uid cap lifted to the global one, whose mechanism this tests
+    # (test_trust_users tests the per-uid cap)
+    d = daemon_factory(preexec_fn=_nofile_1024, env={"KVTIERD_MAX_CONNECTIONS_PER_UID": "100000"})
     metrics_url = d.stats()["daemon"]["metrics"]
     old = Session(d.address, namespace())
     data = os.urandom(200_000)
@@ -190,20 +193,25 @@ def test_inline_get_amplification_is_bounded(daemon_factory):
 
 
 def test_hello_spam_past_max_sessions_is_busy(daemon_factory, tmp_path):
-    config = write_toml(tmp_path / "sessions.toml", "max_sessions = 2\n")
+    # max_sessions_per_uid as the global cap: this tests the global one (test_trust_users the
+    # per-uid one)
+    config = write_toml(tmp_path / "sessions.toml", "max_sessions = 2\nmax_sessions_per_uid = 2\n")
     d = daemon_factory("--config", str(config))
     first, second = Session(d.address, namespace()), Session(d.address, namespace())
     spam = RawClient(d.address)
     try:
-        hello = dict(namespace=namespace(), rank=0, world_size=1, fingerprint="fp", staging={"kind": "inline"})
+        hello = dict(namespace=namespace(), rank=0, world_size=1, fingerprint="fp",
+                     staging={"kind": "inline"})  # refused before the staging is looked at
         for _ in range(3):
             reply, _ = spam.request(Op.HELLO, **hello)
             assert reply["name"] == "BUSY", reply
             assert "max_sessions is 2" in reply["message"], reply
         assert d.stats()["sessions"] == 2
         # an existing session may say HELLO again (it replaces itself)
+        hello["staging"] = inline_staging(d.address)
         assert first.request(Op.HELLO, **hello)[0]["name"] == "OK"
         assert second.request(Op.BYE)[0]["name"] == "OK"
+        hello["staging"] = inline_staging(d.address)
         assert spam.request(Op.HELLO, **hello)[0]["name"] == "OK"
         assert spam.request(Op.LOOKUP, keys=[b"k"])[0]["name"] == "OK"
     finally:
@@ -223,9 +231,9 @@ def test_pipelined_batches_past_max_in_flight_are_busy(daemon_factory, tmp_path)
         for rnd in range(5):
             key = b"big-%d" % rnd
             headers = [{"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 100 * rnd + 1,
-                        "items": [[key, 0, len(big)]]}]
+                        "secret": s.raw.secret, "items": [[key, 0, len(big)]]}]
             headers += [{"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 100 * rnd + 2 + i,
-                         "items": [[b"small-%d-%d" % (rnd, i), 0, len(small)]]} for i in range(4)]
+                         "secret": s.raw.secret, "items": [[b"small-%d-%d" % (rnd, i), 0, len(small)]]} for i in range(4)]
             s.raw.send_frames([msgpack.packb(headers[0]), big])
             for h in headers[1:]:
                 s.raw.send_frames([msgpack.packb(h), small])

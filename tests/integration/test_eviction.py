@@ -190,7 +190,8 @@ class _Staging:
 
 
 def _send(raw: RawClient, request_id: int, op: Op, **fields) -> None:
-    raw.send_frames([msgpack.packb({"v": PROTOCOL_VERSION, "op": int(op), "id": request_id, **fields})])
+    raw.send_frames([msgpack.packb({"v": PROTOCOL_VERSION, "op": int(op), "id": request_id,
+                                    "secret": raw.secret, **fields})])
 
 
 def _replies(raw: RawClient, ids: set[int]) -> dict[int, dict]:

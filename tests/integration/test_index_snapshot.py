@@ -30,11 +30,15 @@ class Chunks:
         rng = random.Random(seed)
         self.keys = [rng.randbytes(32) for _ in range(count)]
         self.where = {k: i for i, k in enumerate(self.keys)}
-        self.buf = memfd(count * PAGE)
+        self.memfd, self.nbytes = memfd, count * PAGE
         self.payload = rng.randbytes(count * PAGE)
-        self.buf.write(0, self.payload)
+        self.buf = None
 
     def session(self, d) -> Session:
+        """A session with a staging buffer of its own holding the payload (protocol 3: the
+        daemon seals a handed-over memfd, which no later session can map writable)."""
+        self.buf = self.memfd(self.nbytes)
+        self.buf.write(0, self.payload)
         return Session(d.address, "snap", staging=self.buf)
 
     def items(self, keys):

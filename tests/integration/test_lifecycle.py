@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers.daemon import DaemonProcess
+from helpers.handshake import inline_staging
 from helpers.raw import RawClient
 from helpers.wait import wait_for
 
@@ -167,7 +168,7 @@ def test_another_daemon_on_the_same_nvme_dir_is_refused_and_never_wipes_it(tmp_p
         raw = RawClient(first.address)
         try:
             reply, _ = raw.request(Op.HELLO, namespace="owner", rank=0, world_size=1, fingerprint="fp",
-                                   staging={"kind": "inline"})
+                                   staging=inline_staging(first.address))
             assert reply["name"] == "OK", reply
             reply, _ = raw.request(Op.PUT, [payload], items=[[b"kept", 0, len(payload)]])
             assert reply["results"] == [0], reply
@@ -182,7 +183,7 @@ def test_another_daemon_on_the_same_nvme_dir_is_refused_and_never_wipes_it(tmp_p
         raw = RawClient(first.address)
         try:
             raw.request(Op.HELLO, namespace="owner", rank=0, world_size=1, fingerprint="fp",
-                        staging={"kind": "inline"})
+                        staging=inline_staging(first.address))
             reply, _ = raw.request(Op.LOOKUP, keys=[b"kept"])
             assert reply["tiers"] == [Tier.NVME], reply
             reply, frames = raw.request(Op.GET, items=[[b"kept", 0, len(payload)]])

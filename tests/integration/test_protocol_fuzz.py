@@ -112,7 +112,34 @@ def good_put(draw: st.DrawFn) -> tuple[int, bytes, list[bytes]]:
 
 
 other = st.tuples(peer, header, st.one_of(st.just([]), st.just([]), payload))
-frames = st.one_of(good_put(), other, other, other)
+# and whether the peer's session secret (protocol 3) goes into a header that has none: mostly,
+# so that sessions are used, sometimes not, so that a session's requests without it are tried
+frames = st.tuples(st.one_of(good_put(), other, other, other),
+                   st.sampled_from([True, True, True, False]))
+
+
+def _with_secret(header: bytes, secret: bytes | None) -> bytes:
+    """``header`` with ``secret`` added when it is a map without one (else as it is)."""
+    if secret is None:
+        return header
+    try:
+        decoded = msgpack.unpackb(header, raw=False, strict_map_key=True)
+    except Exception:
+        return header
+    if not isinstance(decoded, dict) or "secret" in decoded:
+        return header
+    return msgpack.packb({**decoded, "secret": secret}, use_bin_type=True)
+
+
+def _opened(header: bytes, reply: dict) -> bytes | None:
+    """The secret of the session ``reply`` opened, if ``header`` was a HELLO answered OK."""
+    try:
+        decoded = msgpack.unpackb(header, raw=False, strict_map_key=True)
+    except Exception:
+        return None
+    if isinstance(decoded, dict) and decoded.get("op") == Op.HELLO and reply.get("status") == 0:
+        return reply.get("secret")
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -161,20 +188,28 @@ def test_protocol_fuzz_every_frame_answered_nothing_internal(target):
     for key, data in chunks.items():
         assert names(control.put([[key, 0, len(data)]], [data])["results"]) == ["OK"]
     peers = [RawClient(target.address, timeout_s=10.0) for _ in range(PEERS)]
+    secrets_of: list[bytes | None] = [None] * PEERS  # each peer's session secret, once it has one
     deadline = time.monotonic() + WALL_BUDGET_S
-    seen = {"sent": 0}
+    seen = {"sent": 0, "served": 0}
 
     @settings(max_examples=3000, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(frames)
-    def one_message(case: tuple[int, bytes, list[bytes]]) -> None:
+    def one_message(case: tuple[tuple[int, bytes, list[bytes]], bool]) -> None:
         if time.monotonic() > deadline:
             return
-        peer, header, payload = case
+        (peer, header, payload), with_secret = case
         raw = peers[peer]
+        if with_secret:
+            header = _with_secret(header, secrets_of[peer])
         raw.send_frames([header, *payload])
         seen["sent"] += 1
         reply = _recv_reply(raw)
+        opened = _opened(header, reply)
+        if opened is not None:
+            secrets_of[peer] = opened
+        if reply.get("status") == 0 and "results" in reply:
+            seen["served"] += 1  # a PUT, GET or DELETE that reached its session's items
         assert reply["status"] != Status.INTERNAL, (header, reply)
         assert Status.INTERNAL not in reply.get("results", []), (header, reply)
         expected = _expected_id(header)
@@ -196,7 +231,7 @@ def test_protocol_fuzz_every_frame_answered_nothing_internal(target):
 
     try:
         one_message()
-        assert seen["sent"] > 200, seen
+        assert seen["sent"] > 200 and seen["served"] > 20, seen
         assert target.alive(), target.log()
         url = target.stats()["daemon"]["metrics"]
         internal = sum(sample(url, "kvtierd_requests_total", op=op.name.lower(),

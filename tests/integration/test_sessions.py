@@ -143,8 +143,9 @@ def put_then_bye(raw: RawClient, items: list, deadline_s: float = 30.0) -> dict[
     first (committed, OK). Callers check that each item is consistently one or the other.
     """
     raw.send_frames([msgpack.packb({"v": PROTOCOL_VERSION, "op": int(Op.PUT), "id": 1001,
-                                    "items": items})])
-    raw.send_frames([msgpack.packb({"v": PROTOCOL_VERSION, "op": int(Op.BYE), "id": 1002})])
+                                    "secret": raw.secret, "items": items})])
+    raw.send_frames([msgpack.packb({"v": PROTOCOL_VERSION, "op": int(Op.BYE), "id": 1002,
+                                    "secret": raw.secret})])
     replies: dict[int, dict] = {}
     deadline = time.monotonic() + deadline_s
     while len(replies) < 2 and time.monotonic() < deadline:
@@ -226,7 +227,7 @@ def test_put_pipelined_before_bye_still_gets_a_reply(daemon):
 
 def hello(raw: RawClient, namespace: str = "raw", fingerprint: str = "fp-raw") -> int:
     rep, _ = raw.request(Op.HELLO, namespace=namespace, rank=0, world_size=1, fingerprint=fingerprint,
-                         staging={"kind": "inline"})
+                         staging={"kind": "inline", "ticket": ticket(raw.address, "inline")})
     assert rep["status"] == Status.OK, rep
     return rep["session"]
 

@@ -47,7 +47,7 @@ def get_inline(s: Session, keys, nbytes: int = CHUNK) -> tuple[list[str], list[b
 @pytest.fixture
 def two_tenants(daemon_factory, tmp_path):
     config = write_toml(tmp_path / "tenants.toml", TWO_TENANTS)
-    return daemon_factory("--config", str(config))
+    return daemon_factory("--config", str(config), "--expose-tenant-stats")  # stats()["tenants"]
 
 
 def test_tenant_b_cannot_read_probe_overwrite_or_delete_tenant_a_chunks(two_tenants, sessions):
@@ -146,7 +146,7 @@ def metric(text: str, name: str, tenant: str) -> float:
 def test_quota_exhaustion_evicts_only_the_tenants_own_chunks_then_refuses(
         daemon_factory, tmp_path, sessions):
     config = write_toml(tmp_path / "quota.toml", QUOTA)
-    d = daemon_factory("--config", str(config), "--nvme-bytes", "0")
+    d = daemon_factory("--config", str(config), "--nvme-bytes", "0", "--expose-tenant-stats")
     ns = namespace()
     victim = sessions(d.address, ns, fingerprint=FP, token="token-victim")
     greedy = sessions(d.address, ns, fingerprint=FP, token="token-greedy")
@@ -199,7 +199,7 @@ def test_quota_exhaustion_evicts_only_the_tenants_own_chunks_then_refuses(
 def test_a_chunk_larger_than_the_quota_is_refused_without_evicting(daemon_factory, tmp_path,
                                                                     sessions):
     config = write_toml(tmp_path / "quota.toml", QUOTA)
-    d = daemon_factory("--config", str(config), "--nvme-bytes", "0")
+    d = daemon_factory("--config", str(config), "--nvme-bytes", "0", "--expose-tenant-stats")
     greedy = sessions(d.address, namespace(), fingerprint=FP, token="token-greedy")
     small = payloads(2)
     assert put_inline(greedy, small) == ["OK"] * 2
@@ -214,7 +214,8 @@ def test_a_chunk_larger_than_the_quota_is_refused_without_evicting(daemon_factor
 def test_promotion_past_the_quota_is_refused_until_own_chunks_can_go(daemon_factory, tmp_path,
                                                                      sessions):
     config = write_toml(tmp_path / "quota.toml", QUOTA)
-    d = daemon_factory("--config", str(config))  # with an NVMe tier: own evictions are demotions
+    # with an NVMe tier: own evictions are demotions
+    d = daemon_factory("--config", str(config), "--expose-tenant-stats")
     greedy = sessions(d.address, namespace(), fingerprint=FP, token="token-greedy")
     first = {b"g-first-%d" % i: os.urandom(CHUNK) for i in range(8)}
     second = {b"g-second-%d" % i: os.urandom(CHUNK) for i in range(8)}

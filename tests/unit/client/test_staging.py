@@ -1,8 +1,10 @@
 """The client's staging buffer: a sealed, fully allocated memfd with no name, that the daemon's
-own checks (kvtierd.staging.verify_memfd) accept as it is."""
+own checks (kvtierd.staging.verify_memfd) accept as it is, and that stays writable for us once the
+daemon has sealed it F_SEAL_FUTURE_WRITE (kvtierd.staging.seal_mapped)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import subprocess
@@ -14,7 +16,14 @@ import pytest
 import torch
 
 from kvtier_client.staging import MemfdStagingBuffer
-from kvtierd.staging import verify_memfd
+from kvtierd.staging import (
+    DAEMON_SEALS,
+    FALLOC_FL_KEEP_SIZE,
+    FALLOC_FL_PUNCH_HOLE,
+    _libc,
+    seal_mapped,
+    verify_memfd,
+)
 
 NBYTES = 3 * 1024 * 1024 + 4096
 
@@ -25,7 +34,7 @@ def test_staging_is_sealed_allocated_and_accepted_by_the_daemon_checks():
     try:
         assert sorted(Path("/dev/shm").iterdir()) == before, "staging must have no /dev/shm name"
         seals = fcntl.fcntl(buf.fd, fcntl.F_GET_SEALS)
-        wanted = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        wanted = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # the daemon adds FUTURE_WRITE | SEAL
         assert seals == wanted, seals
         info = os.fstat(buf.fd)
         assert info.st_size == NBYTES and info.st_blocks * 512 >= NBYTES
@@ -33,9 +42,14 @@ def test_staging_is_sealed_allocated_and_accepted_by_the_daemon_checks():
         for size in (0, NBYTES - 1, NBYTES + 4096):
             with pytest.raises(PermissionError):
                 os.ftruncate(buf.fd, size)
-        with pytest.raises(PermissionError):
+        with pytest.raises(OSError) as refused:  # our own writable mapping exists
             fcntl.fcntl(buf.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        assert refused.value.errno == errno.EBUSY
         assert verify_memfd(buf.fd, NBYTES, NBYTES, (0, 0)) == NBYTES
+        seal_mapped(buf.fd, NBYTES)  # what the daemon does once it has mapped the buffer
+        assert fcntl.fcntl(buf.fd, fcntl.F_GET_SEALS) == wanted | DAEMON_SEALS
+        assert _libc.fallocate(buf.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096) == -1
+        assert os.lseek(buf.fd, 0, os.SEEK_HOLE) == NBYTES, "a page was punched out"
         data = os.urandom(4096)
         buf.tensor[NBYTES - 4096:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         assert os.pread(buf.fd, 4096, NBYTES - 4096) == data, "the tensor is not the memfd"

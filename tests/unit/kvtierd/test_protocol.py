@@ -9,6 +9,7 @@ from kvtierd.protocol import (
     MAX_HANDSHAKE_BYTES,
     MAX_KEY_BYTES,
     PROTOCOL_VERSION,
+    SECRET_BYTES,
     RESULTS_AS_BYTES_MIN,
     STAGING_KINDS,
     STORED,
@@ -49,7 +50,7 @@ def test_wire_numbers_are_frozen_and_unique(enum_cls, expected):
 
 def test_constants():
     # 2: staging by memfd over the handshake socket (named /dev/shm staging removed)
-    assert PROTOCOL_VERSION == 2 and MAX_KEY_BYTES == 64
+    assert PROTOCOL_VERSION == 3 and MAX_KEY_BYTES == 64 and SECRET_BYTES == 16
     assert TICKET_BYTES == 16 and MAX_HANDSHAKE_BYTES == 4096
     assert STAGING_KINDS == ("memfd", "cuda_ipc", "inline")
     assert STORED == {Status.OK, Status.EXISTS}

@@ -1,9 +1,13 @@
 """TenantTable: the daemon's tenant for a peer and a token (token > uid > gid > uid:N > anonymous),
 quotas and bounded metric labels."""
 
+import dataclasses
+
+import pytest
+
 from kvtierd.config import Config, TenantConfig
 from kvtierd.peer import Peer
-from kvtierd.tenants import ANONYMOUS, OTHER_LABEL, TenantTable
+from kvtierd.tenants import ANONYMOUS, OTHER_LABEL, TenantRefused, TenantTable
 
 CFG = Config(
     tenants=(
@@ -13,6 +17,7 @@ CFG = Config(
         TenantConfig("by-uid", uids=(1500,)),
     ),
     tenant_max_bytes=4 * 1024**2,
+    anonymous_tenant="allow",
 )
 
 
@@ -27,6 +32,32 @@ def test_precedence_token_then_uid_then_gid_then_own_uid():
     assert table.resolve(None, "tok-a").tenant == "team-a"  # token without credentials
     assert table.resolve(None, "").tenant == ANONYMOUS
     assert table.resolve(Peer(7, 9, 1), "unknown").tenant == "uid:7"  # (HELLO refuses it first)
+
+
+def test_anonymous_only_where_allowed():
+    # "auto": a tcp socket allows it (remote clients cannot do the handshake), ipc never does
+    for socket, anonymous, allowed in (("ipc:///tmp/k.sock", "auto", False),
+                                       ("tcp://127.0.0.1:5555", "auto", True),
+                                       ("ipc:///tmp/k.sock", "allow", True),
+                                       ("tcp://127.0.0.1:5555", "refuse", False)):
+        table = TenantTable(dataclasses.replace(CFG, socket=socket, anonymous_tenant=anonymous))
+        assert table.resolve(None, "tok-a").tenant == "team-a"  # a tenant token is never anonymous
+        if allowed:
+            assert table.resolve(None, "").tenant == ANONYMOUS
+            continue
+        with pytest.raises(TenantRefused) as refused:
+            table.resolve(None, "")
+        assert refused.value.reason == "anonymous" and "anonymous_tenant" in refused.value.message
+
+
+def test_unmapped_peers_are_refused_unless_a_token_names_their_tenant():
+    table = TenantTable(CFG)
+    unmapped = Peer(65534, 65534, 0, unmapped=True)
+    with pytest.raises(TenantRefused) as refused:
+        table.resolve(unmapped, "")
+    assert refused.value.reason == "unmapped_peer" and "65534" in refused.value.message
+    assert table.resolve(unmapped, "tok-a").tenant == "team-a"
+    assert table.resolve(Peer(65534, 65534, 5), "").tenant == "uid:65534"  # a mapped "nobody"
 
 
 def test_token_compare_is_exact():
