@@ -55,7 +55,7 @@ class RawClient:
         reply, payload = self.recv()
         assert reply["id"] == header["id"], reply
         if int(op) == Op.HELLO and reply.get("name") == "OK":
-            self.secret = reply["secret"]
+            self.secret = reply.get("secret")  # (None from a daemon before protocol 3)
         return reply, payload
 
     def close(self) -> None:
