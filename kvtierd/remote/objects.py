@@ -112,6 +112,12 @@ def _space_prefix(cluster_id: str, tenant: str, namespace: str, rank: int,
     return f"{tenant_prefix(cluster_id, tenant)}{quote(namespace, safe='')}/{rank}/{fp}/"
 
 
+def probe_name(cluster_id: str) -> str:
+    """A name no object has (no tenant's prefix: ``:`` is quoted in every tenant name), asked
+    about by the remote tier's circuit probe."""
+    return f"{PREFIX}/v{FORMAT_VERSION}/{cluster_id}/:probe"
+
+
 def tenant_prefix(cluster_id: str, tenant: str) -> str:
     """The name prefix of every object of one tenant (for an operator's ``remove_by_regex``)."""
     return f"{PREFIX}/v{FORMAT_VERSION}/{cluster_id}/{quote(tenant, safe='')}/"

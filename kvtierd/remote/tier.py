@@ -60,6 +60,11 @@ from kvtierd.tiers.lower import detached
 
 #: How long an existence check's "absent" answer is trusted (another node may publish it since).
 ABSENT_TTL_S = 1.0
+#: Layouts whose "absent" answers are kept at once (each its own ``AbsentCache``): an object is
+#: named by its layout's fingerprint too, so one layout's absent answer says nothing about
+#: another's. A node serves a few layouts; past this many the least recently asked is forgotten
+#: (its keys are only checked again).
+ABSENT_LAYOUTS = 16
 
 #: What ``RemoteTier.known`` holds per key: the entry, or (found only by an existence check, no
 #: entry built yet) the object's layout fingerprint.
@@ -83,6 +88,7 @@ class RemoteTier(LowerTier):
     name = "remote"
     tier = Tier.REMOTE
     checks_existence = True  # other nodes publish too: only the store knows
+    shared = True  # a chunk held here is not on this node: a PUT of it is stored locally
     batched_reads = True  # one batch_get_into per job (see LowerTier.batched_reads)
     read_slack_bytes = objects.HEADER_BYTES  # the trailing header lands in the target's pages
 
@@ -97,8 +103,8 @@ class RemoteTier(LowerTier):
         self.on_drop = lambda entry: None
         self.known: OrderedDict[Hashable, Known] = OrderedDict()
         self.pending: dict[Hashable, ChunkEntry] = {}
-        # Keys an existence check found absent, with when to ask again.
-        self._absent = AbsentCache(cfg.known_keys)
+        # Keys an existence check found absent, with when to ask again, per layout fingerprint.
+        self._absent: OrderedDict[str, AbsentCache] = OrderedDict()
         self.clock = time.monotonic
         self._deletions: list[ChunkEntry] = []
         self._used_bytes = 0
@@ -201,14 +207,37 @@ class RemoteTier(LowerTier):
         self.known[ikey] = entry
         return entry
 
-    def unknown(self, ikeys: Sequence[Hashable]) -> list[Hashable]:
-        """Keys not being written here and not found absent in the last ``ABSENT_TTL_S``: an
-        engine asking about the same missing prefix every step asks the master once a second."""
-        self._absent.prune(self.clock())
-        absent, pending = self._absent.check_of, self.pending  # plain dicts: ``in`` stays in C
+    def _absent_of(self, fingerprint: str, create: bool = False) -> AbsentCache | None:
+        """The "found absent" cache of the objects of ``fingerprint`` (made if ``create``)."""
+        caches = self._absent
+        cache = caches.get(fingerprint)
+        if cache is not None:
+            caches.move_to_end(fingerprint)
+        elif create:
+            cache = caches[fingerprint] = AbsentCache(self.cfg.known_keys)
+            if len(caches) > ABSENT_LAYOUTS:
+                caches.popitem(last=False)
+        return cache
+
+    def unknown(self, ikeys: Sequence[Hashable], fingerprint: str) -> list[Hashable]:
+        """Keys not being written here and whose object of ``fingerprint`` was not found absent
+        in the last ``ABSENT_TTL_S``: an engine asking about the same missing prefix every step
+        asks the master once a second, and a reader of another layout is never told "absent"
+        by this layout's answer."""
+        cache = self._absent_of(fingerprint)
+        if cache is None:
+            return [k for k in ikeys if k not in self.pending] if self.pending else list(ikeys)
+        cache.prune(self.clock())
+        absent, pending = cache.check_of, self.pending  # plain dicts: ``in`` stays in C
         if not pending:
             return [k for k in ikeys if k not in absent]
         return [k for k in ikeys if k not in pending and k not in absent]
+
+    def probe_job(self) -> Job:
+        """One existence check of a name no object has: it needs the connection (and reconnects
+        it) and the master's answer, which is what every later job needs (``LowerTier``)."""
+        name = objects.probe_name(self.cfg.cluster_id)
+        return lambda: self._ready().exists([name])
 
     def exists_job(self, ikeys: Sequence[Hashable], fingerprint: str) -> Job:
         names = objects.object_names(self.cfg.cluster_id, ikeys, fingerprint)
@@ -222,7 +251,8 @@ class RemoteTier(LowerTier):
         batch C calls, not a loop over the keys: the loop cost more than ``batch_is_exist``."""
         if found is None:
             return
-        known, absent = self.known, self._absent
+        known = self.known
+        absent = self._absent_of(fingerprint, create=False in found)
         if False in found:
             now = self.clock()
             expiry = now + ABSENT_TTL_S
@@ -239,7 +269,8 @@ class RemoteTier(LowerTier):
                 return
         else:
             hits = list(ikeys)
-            absent.discard(hits)
+            if absent is not None:
+                absent.discard(hits)
         before = len(known)
         for _ in map(known.setdefault, hits, repeat(fingerprint)):  # new ones last; a C loop
             pass
@@ -290,7 +321,9 @@ class RemoteTier(LowerTier):
 
     def commit(self, entry: ChunkEntry) -> None:
         self.pending.pop(entry.ikey, None)
-        self._absent.discard((entry.ikey,))
+        absent = self._absent_of(entry.fingerprint)
+        if absent is not None:
+            absent.discard((entry.ikey,))
         entry.state = ChunkState.READY
         if entry.ikey in self.known:
             self._forget(entry.ikey)
@@ -466,7 +499,9 @@ class RemoteTier(LowerTier):
         assert all(e.state is ChunkState.PENDING for e in self.pending.values())
         assert self._used_bytes == sum(e.nbytes for e in entries.values()), "used_bytes drift"
         assert len(self.known) <= self.cfg.known_keys
-        self._absent.check_invariants()
+        assert len(self._absent) <= ABSENT_LAYOUTS
+        for cache in self._absent.values():
+            cache.check_invariants()
         assert all(e.ref_count >= 0 for e in entries.values())
 
     def close(self) -> None:

@@ -24,8 +24,10 @@ Everything that moves chunks between tiers is written here once, for any ``Lower
 * **Faults**: a failed write drops that chunk from the tier (and, for a demotion, from the arena,
   which it was leaving anyway); a failed or corrupt read drops the copy below and the reader gets a
   miss; a job raising ``TierUnavailable`` opens the tier's circuit for its ``retry_s`` (skipped by
-  lookups, reads and writes meanwhile). Each raises a metric (``tier`` label) and a log line; the
-  daemon keeps serving.
+  lookups, reads and writes meanwhile), after which a probe job (``LowerTier.probe_job``, on the
+  tier's engine) decides: the circuit closes only once it reaches the tier, so no request ever
+  waits for a tier coming back (Mooncake's reconnect took ~4 s). Each raises a metric (``tier``
+  label) and a log line; the daemon keeps serving.
 
 Runs on the loop thread; every byte transfer is a job on the I/O engine (its own thread pool, so a
 slow disk or network never stalls the request loop or the memcpy threads). Job completions are in
@@ -115,6 +117,10 @@ class Link:
     engine: CopyEngine  # where its jobs run: the shared I/O pool or its own (LowerTier.io_threads)
     open_until: float = 0.0  # circuit open (tier skipped) until this monotonic time
     up: bool = True  # what the last check said (logged and exported on change)
+    # A job found the tier unreachable: it stays skipped until a probe (``LowerTier.probe_job``,
+    # on the tier's own engine, after ``open_until``) reaches it; no request waits for the probe.
+    tripped: bool = False
+    probing: bool = False
     queued: dict[str, list[tuple[ChunkEntry, ChunkEntry]]] = field(
         default_factory=lambda: {kind: [] for kind in WRITE_KINDS})  # (cpu entry, target)
     reads: list[Promotion] = field(default_factory=list)  # promotions waiting for flush
@@ -127,7 +133,7 @@ class Link:
 
 @dataclass(eq=False)
 class IoJob:
-    kind: str  # "demote" | "write_through" | "promote" | "cascade" | "delete" | "exists"
+    kind: str  # "demote" | "write_through" | "promote" | "cascade" | "delete" | "exists" | "probe"
     link: Link
     reads: list[Promotion] | None = None  # promote: the items of one read job
     cascades: list[Cascade] | None = None  # cascade: chunks evicted above, written to ``link``
@@ -196,8 +202,11 @@ class TierChain:
 
     # -- health ------------------------------------------------------------------------------------
     def usable(self, link: Link) -> bool:
-        """Whether the tier may be asked now: it says it is available and its circuit is closed."""
-        ok = self.clock() >= link.open_until and link.tier.available()
+        """Whether the tier may be asked now: it says it is available and its circuit is closed
+        (a tripped circuit closes only once a probe reached the tier: ``probe``)."""
+        if link.tripped:
+            self._probe(link)
+        ok = not link.tripped and self.clock() >= link.open_until and link.tier.available()
         if ok != link.up:
             link.up = ok
             self.metrics.tier_available.labels(link.name).set(int(ok))
@@ -209,8 +218,41 @@ class TierChain:
                             "the tiers above keep serving", link.name)
         return ok
 
+    def probe(self) -> None:
+        """Start the probe of each tripped tier whose ``retry_s`` has passed (called every loop
+        iteration and tick). The probe runs off the request path, on the tier's engine; until it
+        answers, lookups, reads and writes skip the tier and ``kvtierd_tier_available`` reads 0.
+        A tier without a probe job closes its circuit at once (the next job is the probe)."""
+        for link in self.links:
+            if link.tripped:
+                self._probe(link)
+                self.usable(link)  # exports the change when there was no probe to wait for
+
+    def _probe(self, link: Link) -> None:
+        if link.probing or self.clock() < link.open_until:
+            return
+        job = link.tier.probe_job()
+        if job is None:
+            link.tripped = False  # the next job decides, as before probes
+            return
+        link.probing = True
+        self._submit(IoJob("probe", link), job, 0)
+
+    def probed(self, link: Link, error: BaseException | None) -> None:
+        """A probe answered (``chain_io``): the circuit closes, or (``error``) stays open for
+        another ``retry_s``."""
+        link.probing = False
+        if error is None:
+            link.tripped = False
+            link.open_until = 0.0
+            self.usable(link)  # logs and exports the change at once
+        else:
+            self.trip(link, error)
+
     def trip(self, link: Link, error: BaseException) -> None:
-        """A job found the tier unreachable: skip it for its ``retry_s``."""
+        """A job found the tier unreachable: skip it for its ``retry_s``, then until a probe
+        reaches it."""
+        link.tripped = True
         link.open_until = self.clock() + link.tier.retry_s
         if link.up:
             link.up = False
@@ -265,10 +307,11 @@ class TierChain:
             todo = left
         return out
 
-    def peek_below(self, ikey: Hashable) -> ChunkEntry | None:
-        """The first usable lower tier's entry under ``ikey`` (any state), without touching it."""
+    def peek_below(self, ikey: Hashable, local: bool = False) -> ChunkEntry | None:
+        """The first usable lower tier's entry under ``ikey`` (any state), without touching it;
+        ``local``: of the tiers on this node only (not a ``shared`` one)."""
         for link in self.links:
-            if self.usable(link):
+            if self.usable(link) and not (local and link.tier.shared):
                 entry = link.tier.peek(ikey)
                 if entry is not None:
                     return entry
@@ -283,7 +326,7 @@ class TierChain:
             if self.checks_in_flight + len(todo) >= MAX_CHECKS_IN_FLIGHT:
                 break
             if self.usable(link):
-                keys = link.tier.unknown(ikeys)
+                keys = link.tier.unknown(ikeys, fingerprint)
                 if keys:
                     todo.append((link, list(keys)))
         if not todo:
@@ -419,8 +462,9 @@ class TierChain:
 
     # -- submitting --------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Submit the reads, writes and deletes queued during this loop iteration (called by the
-        loop)."""
+        """Submit the reads, writes and deletes queued during this loop iteration, and the probes
+        that are due (called by the loop)."""
+        self.probe()
         for link in self.links:
             if link.reads:
                 reads, link.reads = link.reads, []

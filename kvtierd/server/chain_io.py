@@ -198,6 +198,12 @@ def _exists_done(chain: TierChain, job: IoJob, result: Any, error: BaseException
     job.done()
 
 
+def _probe_done(chain: TierChain, job: IoJob, result: Any, error: BaseException | None) -> None:
+    if error is not None and not isinstance(error, TierUnavailable):
+        log.warning("%s tier probe failed (%s); it stays skipped", job.link.name, error)
+    chain.probed(job.link, error)
+
+
 def reason(error: BaseException) -> str:
     """The ``reason`` label of an I/O failure: the errno's name, ``unavailable`` or ``other``."""
     if isinstance(error, TierUnavailable):
@@ -208,4 +214,4 @@ def reason(error: BaseException) -> str:
 
 _DONE = {"demote": _demote_done, "write_through": _write_through_done,
          "promote": _promote_done, "cascade": _cascade_done, "delete": _delete_done,
-         "exists": _exists_done}
+         "exists": _exists_done, "probe": _probe_done}

@@ -375,6 +375,7 @@ class Daemon(RequestServing):
 
     def _housekeeping(self, now: float) -> None:
         self.notifier.watchdog(now)
+        self.mover.probe()  # a tripped lower tier's probe, due even when no request comes
         self._announce_when_pinned()
         since = self.probes.due(now)
         if since is not None:

@@ -125,9 +125,10 @@ class DataOps(JobCompletions):
         return self._built(batch, queue)
 
     def _held_below(self, session: Session, keys: Sequence[bytes]) -> bool:
-        """Whether a usable lower tier holds any of ``keys`` (``peek_below``'s answer, per batch)."""
-        return any(self.mover.usable(link) and link.tier.holds_any(session.space, keys)
-                   for link in self.mover.links)
+        """Whether a usable local lower tier holds any of ``keys`` (``peek_below``'s answer, per
+        batch). A shared (remote) tier's chunks are not on this node: a PUT stores them here."""
+        return any(self.mover.usable(link) and not link.tier.shared
+                   and link.tier.holds_any(session.space, keys) for link in self.mover.links)
 
     def _writes_by_slot(self) -> Callable[[Batch, SlotWrites], None] | None:
         """How the fast path submits reservations held by slot, if it may make them (nothing
@@ -139,7 +140,7 @@ class DataOps(JobCompletions):
         session = batch.session
         ikey = (session.space, key)
         if self.mover.links:
-            below = self.mover.peek_below(ikey)
+            below = self.mover.peek_below(ikey, local=True)
             if below is not None and ikey not in self.tier.index:
                 status = self._existing_below(below, session.fingerprint, nbytes)
                 if status is Status.EXISTS:

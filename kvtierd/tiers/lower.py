@@ -38,7 +38,7 @@ remote tier is another):
     ``entries=False`` (nothing is to be leased): a hit may be ``(OK, None)``, so a tier that
     keeps lighter records than entries (the remote tier's existence-check hits) builds none.
     The default asks ``lookup`` key by key.
-``checks_existence`` / ``unknown(ikeys) -> list``
+``checks_existence`` / ``unknown(ikeys, fingerprint) -> list``
     ``checks_existence = True`` says that ``lookup`` alone cannot tell (remote); ``unknown`` then
     returns, of these keys (all missed by every tier), those only an existence check can tell
     about (not recently checked). The defaults (False, ``[]``) suit a tier whose index is complete
@@ -180,6 +180,10 @@ class LowerTier(ABC):
     tier: Tier
     #: True when ``lookup`` alone cannot tell (remote): ``unknown``/``exists_job`` are then used.
     checks_existence: bool = False
+    #: True when the tier is shared with other nodes (remote): what it holds is not stored on this
+    #: node, so a PUT of such a chunk (an engine that recomputed a remote hit) is stored in the
+    #: local tiers instead of answered EXISTS.
+    shared: bool = False
     #: 0: this tier's jobs share the daemon's I/O pool (``io_threads``). N > 0: the chain gives it
     #: its own pool of N threads, so that a slow or hanging tier (network timeouts) never queues
     #: another tier's jobs behind its own. A remote tier should have its own.
@@ -223,8 +227,15 @@ class LowerTier(ABC):
         lookup = self.lookup
         return [lookup(ikey, fingerprint) for ikey in ikeys]
 
-    def unknown(self, ikeys: Sequence[Hashable]) -> list[Hashable]:
+    def unknown(self, ikeys: Sequence[Hashable], fingerprint: str) -> list[Hashable]:
         return []
+
+    def probe_job(self) -> Job | None:
+        """A job that reaches the tier (raising ``TierUnavailable`` while it cannot), run after a
+        job tripped its circuit and ``retry_s`` passed, off the request path: the circuit closes
+        only once it succeeds. None (the default): the circuit closes at once and the next job
+        tells (a local tier, whose jobs fail fast)."""
+        return None
 
     def exists_job(self, ikeys: Sequence[Hashable], fingerprint: str) -> Job:
         raise NotImplementedError(f"the {self.name} tier's index is complete; nothing to check")

@@ -28,6 +28,7 @@ class DirRemoteTier(NvmeLowerTier):
     name = "remote"
     tier = Tier.REMOTE
     checks_existence = True
+    shared = True
     retry_s = 5.0
     io_threads = 1  # its own pool, as a remote tier should have
 
@@ -36,6 +37,7 @@ class DirRemoteTier(NvmeLowerTier):
         self.known: set[Hashable] = set()  # keys the loop thread may answer from
         self.says_available = True
         self.exists_calls = 0
+        self.probe_calls = 0
         self._cut = threading.Event()  # read by jobs on I/O threads
         self._go = threading.Event()  # cleared: jobs hang (a remote that stopped answering)
         self._go.set()
@@ -78,8 +80,13 @@ class DirRemoteTier(NvmeLowerTier):
     def peek(self, ikey: Hashable) -> ChunkEntry | None:
         return super().peek(ikey) if ikey in self.known else None
 
-    def unknown(self, ikeys: Sequence[Hashable]) -> list[Hashable]:
+    def unknown(self, ikeys: Sequence[Hashable], fingerprint: str) -> list[Hashable]:
         return [k for k in ikeys if k not in self.known]
+
+    def probe_job(self) -> Job:
+        """Reaches the "store" as every job does: refused while cut, waits while hung."""
+        self.probe_calls += 1
+        return self._reachable(lambda: True)
 
     def exists_job(self, ikeys: Sequence[Hashable], fingerprint: str) -> Job:
         self.exists_calls += 1

@@ -72,6 +72,28 @@ def test_node_b_finds_node_a_chunks_remote_and_loads_them_exactly(nodes, tmp_pat
     assert metric(m, "kvtierd_tier_available", tier="remote") == 1
 
 
+def test_a_chunk_only_the_remote_holds_is_stored_locally_when_put_again(nodes):
+    """Issue 38 item 1: a PUT of a key node B knows only from the shared remote (an engine that
+    recomputed a remote hit) is stored in B's own tiers, not answered EXISTS: the remote copy is
+    not on this node."""
+    data = {f"r{i}".encode(): payload(("recomputed", i), CHUNK) for i in range(4)}
+    a = nodes("a")
+    with InlineSession(a.address) as s:
+        assert s.put(data) == [Status.OK] * len(data)
+    published(a, len(data))
+    a.stop_and_verify()  # one daemon holds the remote directory at a time
+    b = nodes("b")
+    with InlineSession(b.address) as s:
+        assert s.lookup(list(data)) == [Tier.REMOTE] * len(data)
+        assert s.put(data) == [Status.OK] * len(data)  # before: EXISTS, nothing stored here
+        assert s.lookup(list(data)) == [Tier.CPU] * len(data)
+        results, frames, errors = s.get({k: len(v) for k, v in data.items()})
+        assert results == [Status.OK] * len(data), errors
+        assert frames == list(data.values())
+        assert s.put(data) == [Status.EXISTS] * len(data)  # now it is here
+    assert metric(b.metrics_text(), "kvtierd_promotions_total") == 0
+
+
 def test_a_mixed_leased_lookup_answers_and_counts_every_tier_once(nodes):
     """One LOOKUP batch of CPU hits, keys only the remote has (known after its existence
     check), misses and another layout's key, interleaved, leased: each answered and counted by

@@ -86,7 +86,7 @@ class Harness:
         bytes after the payload, as the CPU tier reserves a promotion); the bytes read."""
         status, entry = self.tier.lookup(key, fingerprint)
         if entry is None:
-            unknown = self.tier.unknown([key])
+            unknown = self.tier.unknown([key], fingerprint)
             found = self.run(self.tier.exists_job(unknown, fingerprint))
             self.tier.exists_done(unknown, fingerprint, found)
             status, entry = self.tier.lookup(key, fingerprint)
@@ -157,7 +157,7 @@ def test_a_key_known_only_from_an_existence_check_loads_byte_exact(node: Harness
     node.tier.known.clear()  # as on another node: only the store knows
     node.tier._used_bytes = 0
     keys = list(payloads) + [ikey("uid:1", b"never-stored")]
-    unknown = node.tier.unknown(keys)
+    unknown = node.tier.unknown(keys, FP)
     assert unknown == keys
     found = node.run(node.tier.exists_job(unknown, FP))
     assert found == [True, True, True, False]
@@ -165,12 +165,33 @@ def test_a_key_known_only_from_an_existence_check_loads_byte_exact(node: Harness
     assert [node.tier.known.get(k) for k in keys] == [FP, FP, FP, None]
     assert node.tier.lookup_many(keys, FP, entries=False) == [(Status.OK, None)] * 3 + [
         (Status.MISS, None)]
-    assert node.tier.unknown(keys[3:]) == []  # the absent one is trusted for ABSENT_TTL_S
+    assert node.tier.unknown(keys[3:], FP) == []  # the absent one is trusted for ABSENT_TTL_S
     for key, data in payloads.items():
         assert node.load(key, len(data), page=32) == data
         entry = node.tier.known[key]
         assert entry.nbytes == 0 and entry.fingerprint == FP  # built by the GET's lookup
     assert node.tier.stats()["used_bytes"] == 0
+
+
+def test_another_layouts_absent_answer_never_hides_this_layouts_object(node: Harness) -> None:
+    """Issue 38 item 2: a LOOKUP of K by another layout (its object absent) used to hide the right
+    layout's object of K for ABSENT_TTL_S (NONE, then REMOTE a second later)."""
+    key = ikey("uid:1", b"two-layouts")
+    data = os.urandom(PAGE)
+    node.publish(key, data, page=0)
+    node.tier.known.clear()  # as on another node: only the store knows
+    node.tier._used_bytes = 0
+    other = "fingerprint-b"
+    assert node.tier.unknown([key], other) == [key]
+    found = node.run(node.tier.exists_job([key], other))
+    assert found == [False]
+    node.tier.exists_done([key], other, found)
+    assert node.tier.unknown([key], other) == []  # trusted for that layout
+    assert node.tier.unknown([key], FP) == [key]  # but asked again for this one
+    found = node.run(node.tier.exists_job([key], FP))
+    assert found == [True]
+    node.tier.exists_done([key], FP, found)
+    assert node.load(key, len(data), page=8) == data
 
 
 def test_a_read_with_room_after_the_payload_lands_the_header_there(master, node) -> None:

@@ -255,3 +255,31 @@ def test_one_bad_object_in_a_batched_fetch_fails_only_itself(master, nodes) -> N
     finally:
         with master.ns.entered():
             raw.close()
+
+
+def test_a_recomputed_remote_hit_is_stored_locally(master, nodes) -> None:
+    """Issue 38 item 1: B's LOOKUP answers REMOTE; its engine recomputes the chunks (say the fetch
+    failed) and stores them again. Before, every item was SIZE_MISMATCH (the existence check's
+    record has no size) and the chunks could never be cached on B; now they are stored in B's
+    own tiers and load from there."""
+    a, b = nodes("a"), nodes("b", global_segment_bytes=0)
+    lay = layout()
+    kv = random_kv(11)
+    tokens = torch.randint(0, 50000, (320,), generator=torch.Generator().manual_seed(11)).tolist()
+    chunks = lay.plan(tokens, [list(range(20))])
+    store(a, lay, chunks, kv)
+    wait_for(published(master, a, len(chunks)), 30, "node A published its chunks (on-commit)")
+    assert tiers_of(b, lay, chunks) == [Tier.REMOTE] * len(chunks)
+    recomputed = {n: t.clone() for n, t in kv.items()}
+    store(b, lay, chunks, recomputed)  # asserts every chunk stored
+    assert tiers_of(b, lay, chunks) == [Tier.CPU] * len(chunks)
+    for t in recomputed.values():
+        t.fill_(0x5C)  # poison
+    with KVTierClient.connect(b.address, layout=lay, kv_caches=recomputed) as client:
+        assert all(client.load(chunks).result(timeout=30))
+    for name in ("l0", "l1"):
+        for c in chunks:
+            for blk in c.block_ids:
+                assert torch.equal(recomputed[name][blk], kv[name][blk]), (name, blk)
+    text = metrics(master, b)
+    assert metric(text, "kvtierd_promotions_total") == 0  # served from B's own arena

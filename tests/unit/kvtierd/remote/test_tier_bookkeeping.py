@@ -25,13 +25,13 @@ def test_absent_answers_are_trusted_for_a_while_then_asked_again() -> None:
     now = [100.0]
     t.clock = lambda: now[0]
     keys = [key(0), key(1)]
-    assert t.unknown(keys) == keys
+    assert t.unknown(keys, "fp") == keys
     t.exists_done(keys, "fp", [True, False])
     assert t.lookup(key(0), "fp")[0] is Status.OK
     assert t.lookup(key(0), "other-layout") == (Status.MISS, None)
-    assert t.unknown([key(1)]) == []
+    assert t.unknown([key(1)], "fp") == []
     now[0] += ABSENT_TTL_S + 0.01
-    assert t.unknown([key(1)]) == [key(1)]
+    assert t.unknown([key(1)], "fp") == [key(1)]
     t.check_invariants()
 
 
@@ -42,7 +42,7 @@ def test_known_names_are_bounded_and_a_pending_write_is_never_checked() -> None:
     assert t.lookup(key(0), "fp") == (Status.MISS, None)  # forgotten: asked again next time
     target = t.reserve(key(5), "fp", 1000, b"\x00" * 16)
     assert target is not None and t.reserve(key(5), "fp", 1000, b"") is None
-    assert t.unknown([key(5)]) == [] and t.delete(key(5)) is Status.BUSY
+    assert t.unknown([key(5)], "fp") == [] and t.delete(key(5)) is Status.BUSY
     t.commit(target)
     assert t.peek(key(5)) is target and t.holds(key(5), b"\x00" * 16)
     assert t.delete(key(5)) is Status.OK and t.take_deletions() == [target]

@@ -12,7 +12,7 @@ import pytest
 from kvtierd.config_remote import RemoteConfig
 from kvtierd.protocol import Status
 from kvtierd.remote.absent import AbsentCache
-from kvtierd.remote.tier import ABSENT_TTL_S, RemoteTier
+from kvtierd.remote.tier import ABSENT_LAYOUTS, ABSENT_TTL_S, RemoteTier
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState
 
 
@@ -110,11 +110,28 @@ def test_a_hit_leaves_the_absent_cache_and_a_miss_is_trusted_for_the_ttl() -> No
     now = [10.0]
     t.clock = lambda: now[0]
     t.exists_done([key(0), key(1)], "fp", [False, False])
-    assert t.unknown([key(0), key(1), key(2)]) == [key(2)]
+    assert t.unknown([key(0), key(1), key(2)], "fp") == [key(2)]
     t.exists_done([key(0)], "fp", [True])  # another LOOKUP's check found it since
-    assert t.unknown([key(0), key(1)]) == [key(0)]
+    assert t.unknown([key(0), key(1)], "fp") == [key(0)]
     now[0] += ABSENT_TTL_S
-    assert t.unknown([key(0), key(1)]) == [key(0), key(1)]
+    assert t.unknown([key(0), key(1)], "fp") == [key(0), key(1)]
+    t.check_invariants()
+
+
+def test_an_absent_answer_for_one_layout_says_nothing_about_another() -> None:
+    """Issue 38 item 2: a LOOKUP of K by another layout found its object absent; the right
+    layout's reader must still be checked (before, it missed for ABSENT_TTL_S)."""
+    t = tier()
+    t.clock = lambda: 10.0
+    t.exists_done([key(0)], "other-layout", [False])
+    assert t.unknown([key(0)], "other-layout") == []
+    assert t.unknown([key(0)], "fp") == [key(0)]
+    t.exists_done([key(0)], "fp", [True])
+    assert t.lookup(key(0), "fp")[0] is Status.OK
+    for i in range(ABSENT_LAYOUTS + 3):  # bounded: the least recently asked layout goes
+        t.exists_done([key(1)], f"layout-{i}", [False])
+    assert t.unknown([key(1)], "layout-0") == [key(1)]
+    assert t.unknown([key(1)], f"layout-{ABSENT_LAYOUTS + 2}") == []
     t.check_invariants()
 
 
@@ -124,15 +141,17 @@ class Model:
     def __init__(self, bound: int) -> None:
         self.bound = bound
         self.known: OrderedDict = OrderedDict()  # ikey -> (fingerprint, nbytes)
-        self.absent: OrderedDict = OrderedDict()  # ikey -> expiry, in expiry order
+        # fingerprint -> (ikey -> expiry, in expiry order): an object is named by its layout too
+        self.absent: dict[str, OrderedDict] = {}
 
     def exists_done(self, ikeys, fp, found, now) -> None:
+        absent = self.absent.setdefault(fp, OrderedDict())
         for k, hit in zip(ikeys, found):
-            self.absent.pop(k, None)
+            absent.pop(k, None)
             if not hit:
-                self.absent[k] = now + ABSENT_TTL_S
-                while len(self.absent) > self.bound:
-                    self.absent.popitem(last=False)
+                absent[k] = now + ABSENT_TTL_S
+                while len(absent) > self.bound:
+                    absent.popitem(last=False)
                 continue
             held = self.known.get(k)
             if held is None or held[0] != fp:
@@ -152,17 +171,18 @@ class Model:
         return Status.OK
 
     def commit(self, k, fp, nbytes) -> None:
-        self.absent.pop(k, None)
+        self.absent.get(fp, {}).pop(k, None)
         self.known.pop(k, None)
         self._remember(k, fp, nbytes)
 
     def delete(self, k) -> Status:
         return Status.OK if self.known.pop(k, None) is not None else Status.MISS
 
-    def unknown(self, keys, now) -> list:
-        while self.absent and next(iter(self.absent.values())) <= now:
-            self.absent.popitem(last=False)
-        return [k for k in keys if k not in self.absent]
+    def unknown(self, keys, fp, now) -> list:
+        absent = self.absent.get(fp, OrderedDict())
+        while absent and next(iter(absent.values())) <= now:
+            absent.popitem(last=False)
+        return [k for k in keys if k not in absent]
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -202,7 +222,7 @@ def test_batched_bookkeeping_matches_the_key_by_key_model(seed: int) -> None:
             assert t.delete(k) is model.delete(k), step
         else:
             now[0] += rng.choice([0.0, 0.1, 0.4, 0.7])
-            assert t.unknown(universe) == model.unknown(universe, now[0]), step
+            assert t.unknown(universe, fp) == model.unknown(universe, fp, now[0]), step
         assert list(t.known) == list(model.known), step
         assert [t.known[k] if type(t.known[k]) is str else t.known[k].fingerprint
                 for k in t.known] == [fp_ for fp_, _ in model.known.values()], step

@@ -129,13 +129,59 @@ def test_an_unreachable_tier_is_skipped_then_picked_up_again(make, caplog):
     assert s.remote.peek((SPACE, b"local-only")) is None
     assert s.cpu.lookup((SPACE, b"local-only"), "fp")[1] is not None  # the arena keeps serving
     s.remote.heal()
-    s.now[0] += s.remote.retry_s  # the circuit half-opens: the next use decides
+    s.now[0] += s.remote.retry_s  # due for a probe: started by this lookup, which does not wait
+    assert s.chain.lookup((SPACE, b"r"), "fp")[0] is Status.MISS
+    assert s.remote.probe_calls == 1
     with caplog.at_level(logging.INFO, logger="kvtierd.server.chain"):
+        s.settle()  # the probe answers: the circuit closes
         assert s.chain.lookup((SPACE, b"r"), "fp")[1] is Tier.REMOTE
     assert "remote tier is available again" in caplog.text
     assert s.metric("kvtierd_tier_available", tier="remote") == 1
     ok, data = s.promote(b"r", len(payload))
     assert ok and data == payload
+    s.invariants()
+
+
+def test_the_probe_runs_off_the_request_path_and_the_gauge_waits_for_it(make):
+    """Issue 38 item 9: every retry_s the breaker used to half-open and the next LOOKUP was the
+    probe, blocking ~4.3 s while Mooncake reconnected, with kvtierd_tier_available at 1 for the
+    whole probe. Now the probe is a job of its own: lookups keep skipping the tier (and answer
+    at once) until it succeeds, and the gauge reads 0 until then."""
+    s = make(nvme=False)
+    payload = s.put(b"p", 2 * PAGE)
+    s.evict_all()
+    s.remote.cut()
+    ok, _ = s.promote(b"p", len(payload))
+    assert not ok and s.metric("kvtierd_tier_available", tier="remote") == 0
+    s.remote.heal()
+    s.remote.hang()  # reachable again, but slow to answer (Mooncake reconnecting)
+    s.now[0] += s.remote.retry_s
+    s.chain.probe()  # what the loop does every iteration and tick
+    assert s.remote.probe_calls == 1
+    for _ in range(3):  # answered at once, without the tier, while the probe waits
+        assert s.chain.lookup((SPACE, b"p"), "fp")[0] is Status.MISS
+        assert not s.chain.check([(SPACE, b"q")], "fp", lambda: None)
+        s.chain.probe()
+    assert s.remote.probe_calls == 1, "a second probe while one is in flight"
+    assert s.metric("kvtierd_tier_available", tier="remote") == 0
+    s.remote.answer()
+    s.settle()
+    assert s.metric("kvtierd_tier_available", tier="remote") == 1
+    assert s.chain.lookup((SPACE, b"p"), "fp")[1] is Tier.REMOTE
+    s.remote.cut()  # a probe that fails keeps the circuit open for another retry_s
+    s.remote.forget()
+    assert s.chain.check([(SPACE, b"p2")], "fp", lambda: None)
+    s.settle()
+    assert s.metric("kvtierd_tier_available", tier="remote") == 0
+    s.now[0] += s.remote.retry_s
+    s.chain.probe()
+    s.settle()
+    assert s.remote.probe_calls == 2 and s.metric("kvtierd_tier_available", tier="remote") == 0
+    s.remote.heal()
+    s.now[0] += s.remote.retry_s
+    s.chain.probe()
+    s.settle()
+    assert s.metric("kvtierd_tier_available", tier="remote") == 1
     s.invariants()
 
 
