@@ -221,18 +221,20 @@ class MooncakeStore:
         return [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]
 
     def get(self, names: Sequence[str], payloads: Sequence[Sequence[tuple[int, int]]],
-            inline: Sequence[bool]) -> list[bytes | None]:
+            inline: Sequence[bool]) -> list[bytes | int]:
         """Read each object into its payload buffers and its header after them: into the
         ``HEADER_BYTES`` right after the last payload buffer where ``inline`` (memory the reader
         owns), else into a header slot. The header bytes where exactly ``payload +
-        HEADER_BYTES`` bytes arrived, else None (missing, or another size)."""
-        out: list[bytes | None] = []
+        HEADER_BYTES`` bytes arrived, else Mooncake's code: ``OBJECT_NOT_FOUND`` for a missing
+        object; another (TRANSFER_FAIL -800, -600) for one of another length, or a failed
+        transfer, which ``whole`` tells apart."""
+        out: list[bytes | int] = []
         for start in range(0, len(names), self.cfg.max_batch):
             end = start + self.cfg.max_batch
             out.extend(self._get_part(names[start:end], payloads[start:end], inline[start:end]))
         return out
 
-    def _get_part(self, names, payloads, inline) -> list[bytes | None]:
+    def _get_part(self, names, payloads, inline) -> list[bytes | int]:
         slotted = [i for i, here in enumerate(inline) if not here]
         with self.headers.take(len(slotted)) as slots:
             where = dict(zip(slotted, slots))
@@ -253,8 +255,20 @@ class MooncakeStore:
                 wanted.append(sum(lengths))
             codes = self._client().batch_get_into_multi_buffers(list(names), ptrs, sizes)
             self._raise_if_down(codes, "batch_get_into_multi_buffers")
-            return [ctypes.string_at(header, HEADER_BYTES) if code == want else None
+            return [ctypes.string_at(header, HEADER_BYTES) if code == want
+                    else (code if code < 0 else OBJECT_NOT_FOUND)
                     for header, code, want in zip(headers, codes, wanted)]
+
+    def whole(self, name: str) -> bytes | None:
+        """The whole object ``name`` (header included) through Mooncake's copying get, or None
+        when it cannot be read. Only for reads that failed (``get``): to tell an object of
+        another length from a transfer that failed."""
+        try:
+            data = self._client().get(name)
+        except Exception as exc:  # the binding raises for RPC errors; a miss is b""
+            log.debug("Mooncake get of %s failed: %s", name, exc)
+            return None
+        return bytes(data) if data else None
 
     def remove(self, names: Sequence[str]) -> list[bool]:
         """Remove each object (forced: a reader's lease must not keep a corrupt object alive);

@@ -49,7 +49,7 @@ from kvtierd.copy.memcpy import checksum as payload_checksum
 from kvtierd.protocol import Status, Tier
 from kvtierd.remote import objects
 from kvtierd.remote.absent import AbsentCache
-from kvtierd.remote.mooncake import MooncakeStore, RemoteSetupError
+from kvtierd.remote.mooncake import OBJECT_NOT_FOUND, MooncakeStore, RemoteSetupError
 from kvtierd.remote.reads import READ_CALL_BYTES, Read, header_fits_after, read_calls
 from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.arena import Arena
@@ -392,18 +392,20 @@ class RemoteTier(LowerTier):
                         self.io_threads, thread_name_prefix="kvtierd-remote-verify")
         return self._verify_pool
 
-    def _verify_part(self, arena: Arena, part: list[Read], raws: list[bytes | None]
+    def _verify_part(self, arena: Arena, part: list[Read], raws: list[bytes | int]
                      ) -> list[bytes | Exception]:
         return [self._verified(arena, read, raw) for read, raw in zip(part, raws)]
 
-    def _verified(self, arena: Arena, read: Read, raw: bytes | None) -> bytes | Exception:
+    def _verified(self, arena: Arena, read: Read, raw: bytes | int) -> bytes | Exception:
         """The payload's checksum if ``raw`` (the header read) and the payload are this chunk's;
         else the item's error (on an I/O thread: only ``_missing`` is shared, under its lock)."""
         nbytes = sum(length for _, length in read.segments)
-        if raw is None:
-            with self._missing_lock:
-                self._missing.add(read.name)
-            return RemoteMiss(f"{read.name}: not in the store (or not {nbytes} bytes)")
+        if raw.__class__ is int:
+            problem = self._failed_read(read, nbytes, raw)  # type: ignore[arg-type]
+            if isinstance(problem, RemoteMiss):
+                with self._missing_lock:
+                    self._missing.add(read.name)
+            return problem
         try:
             header = objects.check_header(raw, read.name, read.entry.ikey,
                                           read.entry.fingerprint, nbytes)
@@ -414,6 +416,37 @@ class RemoteTier(LowerTier):
             return IntegrityError(f"remote object {read.name}: payload checksum {got.hex()} "
                                   f"differs from its header's {header.checksum.hex()}")
         return got
+
+    def _failed_read(self, read: Read, nbytes: int, code: int) -> Exception:
+        """Why a read of ``nbytes`` failed with ``code``: missing (a plain miss), an object that is
+        not a whole chunk (truncated, grown, no header: an ``IntegrityError``, so it is removed
+        and counted, instead of being promised by every existence check until Mooncake evicts
+        it), a valid object of another size (the reader asked the wrong size: a plain miss, the
+        object kept), or a transfer that failed (a plain miss). Reads the whole object once to
+        tell them apart: only failed reads pay for it."""
+        if code == OBJECT_NOT_FOUND:
+            return RemoteMiss(f"{read.name}: not in the store")
+        whole = self.store.whole(read.name)
+        if whole is None:
+            return RemoteMiss(f"{read.name}: the read failed (Mooncake code {code}) and the "
+                              "object cannot be read whole")
+        length = len(whole) - objects.HEADER_BYTES
+        if length == nbytes:
+            return RemoteMiss(f"{read.name}: the read failed (Mooncake code {code}); the object "
+                              "has the right length")
+        if length > 0:
+            try:
+                header = objects.check_header(whole[length:], read.name, read.entry.ikey,
+                                              read.entry.fingerprint, length)
+            except objects.HeaderMismatch:
+                header = None
+            if header is not None and payload_checksum(memoryview(whole), [(0, length)]) == \
+                    header.checksum:
+                return RemoteMiss(f"{read.name}: a whole chunk of {length} bytes, the reader "
+                                  f"asked for {nbytes}")
+        return IntegrityError(f"remote object {read.name}: {len(whole)} bytes in the store, not a "
+                              f"chunk with its header (a chunk of {nbytes} bytes is "
+                              f"{nbytes + objects.HEADER_BYTES})")
 
     def acquire(self, entry: ChunkEntry) -> None:
         entry.ref_count += 1

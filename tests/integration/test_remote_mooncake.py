@@ -274,6 +274,54 @@ def test_flipped_byte_is_an_integrity_miss_and_the_object_is_removed(master, nod
             store.close()
 
 
+@pytest.mark.parametrize("cut", ["half", "no-header", "longer"])
+def test_an_object_of_another_length_is_an_integrity_failure_and_removed(master, node, cut):
+    """Issue 38 item 3: an object cut to half its length (or grown) under a chunk's name was a
+    plain miss on every GET and stayed in the store, so every node's LOOKUP kept answering
+    REMOTE; counted nowhere as an integrity failure. Now it is one, and the object is removed."""
+    key = ikey("uid:1", b"cut-" + cut.encode())
+    data = os.urandom(2 * PAGE)
+    node.publish(key, data, page=0)
+    name = node.tier.name_of(key, FP)
+    store = raw_client(master)
+    try:
+        with master.ns.entered():
+            stored = store.get(name)
+            changed = {"half": stored[: len(stored) // 2], "no-header": stored[: len(data)],
+                       "longer": stored + b"\x00" * 4096}[cut]
+            assert store.remove(name, True) == 0
+            assert store.put(name, changed) == 0
+        with pytest.raises(IntegrityError, match="bytes"):
+            node.load(key, len(data), page=8)
+        node.flush_deletions()
+        with master.ns.entered():
+            assert store.is_exist(name) == 0, "the bad object is still promised"
+    finally:
+        with master.ns.entered():
+            store.close()
+
+
+def test_a_reader_asking_another_size_of_a_whole_object_misses_and_keeps_it(master, node):
+    """The other side of item 3: a valid object read with a wrong size (a buggy reader of the
+    same tenant) is a plain miss, and the object stays for the readers that ask right."""
+    key = ikey("uid:1", b"asked-wrong")
+    data = os.urandom(2 * PAGE)
+    node.publish(key, data, page=0)
+    name = node.tier.name_of(key, FP)
+    with pytest.raises(RemoteMiss, match="a whole chunk of"):
+        node.load(key, PAGE, page=8)
+    node.tier.drop(node.tier.known[key])  # what the chain does with a miss of a known entry
+    node.flush_deletions()
+    store = raw_client(master)
+    try:
+        with master.ns.entered():
+            assert store.is_exist(name) == 1, "a valid object was removed"
+    finally:
+        with master.ns.entered():
+            store.close()
+    assert node.load(key, len(data), page=8) == data
+
+
 def test_forged_header_tenant_is_an_integrity_failure(master, node) -> None:
     """An object under tenant A's name whose header says tenant B (or is cut short) never
     passes."""

@@ -161,7 +161,18 @@ def test_master_down_both_nodes_serve_locally_and_recover(master, nodes) -> None
     assert metric(metrics(master, b), "kvtierd_tier_available", tier="remote") == 1
 
 
-def test_flipped_byte_in_a_remote_object_is_a_miss_counted_and_removed(master, nodes) -> None:
+def cut_stored(raw, name: str) -> None:
+    """Cut the object ``name`` to half its length (inside the master's namespace)."""
+    stored = raw.get(name)
+    assert raw.remove(name, True) == 0
+    assert raw.put(name, stored[: len(stored) // 2]) == 0
+
+
+@pytest.mark.parametrize("damage", ["flipped-byte", "cut-in-half"])
+def test_a_damaged_remote_object_is_a_miss_counted_and_removed(master, nodes, damage) -> None:
+    """A flipped byte, or (issue 38 item 3) an object cut to half its length, which used to be
+    a plain miss on every GET, counted as nothing but get_results, and promised by every node's
+    LOOKUP until Mooncake evicted it."""
     from kvtierd.remote import objects
 
     cluster = f"flip-{uuid.uuid4().hex[:12]}"
@@ -179,7 +190,10 @@ def test_flipped_byte_in_a_remote_object_is_a_miss_counted_and_removed(master, n
     raw = mc.raw_client(master, segment_bytes=0)
     try:
         with master.ns.entered():
-            flip_stored(raw, name, 7)  # a payload byte (the header follows the payload)
+            if damage == "flipped-byte":
+                flip_stored(raw, name, 7)  # a payload byte (the header follows the payload)
+            else:
+                cut_stored(raw, name)
         assert tiers_of(b, lay, chunks) == [Tier.REMOTE]
         for t in kv.values():
             t.fill_(0xAB)
