@@ -213,7 +213,7 @@ def cpu_split(spec: str) -> tuple[set[int], set[int]]:
 def pin_verifiers(tier: RemoteTier, cpus: set[int]) -> None:
     """Start the tier's verifier threads now and move each to ``cpus`` (they meet at a barrier,
     so every thread of the pool takes one of the tasks)."""
-    pool, threads = tier._verifier(), tier.io_threads
+    pool, threads = tier.verifier.pool(), tier.io_threads
     ready = threading.Barrier(threads)
 
     def pin() -> None:

@@ -199,17 +199,18 @@ class MooncakeStore:
         return out
 
     def put(self, names: Sequence[str], headers: Sequence[bytes],
-            payloads: Sequence[Sequence[tuple[int, int]]]) -> list[bool]:
-        """Store each object as its header then its payload buffers ``(address, length)`` (inside
-        registered memory); True where stored (or already there)."""
-        out: list[bool] = []
+            payloads: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+        """Store each object as its payload buffers ``(address, length)`` (inside registered
+        memory) then its header; Mooncake's code per object: 0 stored, ``OBJECT_ALREADY_EXISTS``
+        (an object of that name is there: whose, the caller checks), else refused."""
+        out: list[int] = []
         for start in range(0, len(names), self.cfg.max_batch):
             end = start + self.cfg.max_batch
             out.extend(self._put_part(names[start:end], headers[start:end],
                                       payloads[start:end]))
         return out
 
-    def _put_part(self, names, headers, payloads) -> list[bool]:
+    def _put_part(self, names, headers, payloads) -> list[int]:
         with self.headers.take(len(names)) as slots:
             ptrs, sizes = [], []
             for slot, header, buffers in zip(slots, headers, payloads):
@@ -218,7 +219,7 @@ class MooncakeStore:
                 sizes.append([n for _, n in buffers] + [len(header)])
             codes = self._client().batch_put_from_multi_buffers(list(names), ptrs, sizes)
         self._raise_if_down(codes, "batch_put_from_multi_buffers")
-        return [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]
+        return list(codes)
 
     def get(self, names: Sequence[str], payloads: Sequence[Sequence[tuple[int, int]]],
             inline: Sequence[bool]) -> list[bytes | int]:

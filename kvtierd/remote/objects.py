@@ -39,6 +39,8 @@ from urllib.parse import quote
 
 import xxhash
 
+from kvtierd.copy.memcpy import checksum as payload_checksum
+
 MAGIC = b"KVTR"
 FORMAT_VERSION = 2
 _HEADER = struct.Struct("<4sHHIQ16s16s16s16s")
@@ -157,3 +159,20 @@ def check_header(raw: bytes | memoryview, name: str, ikey: Hashable, fingerprint
         if got != want:
             raise HeaderMismatch(f"{field} {got!r} differs from the expected {want!r}")
     return expected
+
+
+def whole_chunk_length(whole: bytes | None, name: str, ikey: Hashable, fingerprint: str
+                       ) -> int | None:
+    """The payload length of ``whole`` (an object read whole, header last) if it is a whole
+    chunk of ``ikey`` in ``fingerprint`` stored as ``name``: its header says so and the payload
+    has the header's checksum. None otherwise (damaged, cut short, foreign)."""
+    length = -1 if whole is None else len(whole) - HEADER_BYTES
+    if length <= 0:
+        return None
+    try:
+        header = check_header(whole[length:], name, ikey, fingerprint, length)
+    except HeaderMismatch:
+        return None
+    if payload_checksum(memoryview(whole), [(0, length)]) != header.checksum:
+        return None
+    return length

@@ -36,27 +36,29 @@ restarted master.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from itertools import compress, repeat
 from operator import not_
 from typing import Hashable, Sequence, Union
 
 from kvtierd.config_remote import RemoteConfig
-from kvtierd.copy.memcpy import checksum as payload_checksum
 from kvtierd.protocol import Status, Tier
 from kvtierd.remote import objects
 from kvtierd.remote.absent import AbsentCache
-from kvtierd.remote.mooncake import OBJECT_NOT_FOUND, MooncakeStore, RemoteSetupError
+from kvtierd.remote.mooncake import OBJECT_ALREADY_EXISTS, MooncakeStore, RemoteSetupError
 from kvtierd.remote.reads import READ_CALL_BYTES, Read, header_fits_after, read_calls
+from kvtierd.remote.verify import RemoteMiss, Verifier
 from kvtierd.tiers.allocator import Run
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.chunk import ChunkEntry, ChunkState, segments
 from kvtierd.tiers.lower import MISS_ANSWER, IntegrityError, Job, LowerTier, TierUnavailable
 from kvtierd.tiers.lower import detached
 
+log = logging.getLogger(__name__)
 
 #: How long an existence check's "absent" answer is trusted (another node may publish it since).
 ABSENT_TTL_S = 1.0
@@ -74,10 +76,6 @@ _HIT_ANSWER: tuple[Status, ChunkEntry | None] = (Status.OK, None)  # lookup_many
 
 def _fingerprint(record: Known) -> str:
     return record if record.__class__ is str else record.fingerprint  # type: ignore
-
-
-class RemoteMiss(Exception):
-    """The object is not (or no longer) in the store, or has another size: a plain miss."""
 
 
 class RemoteWriteFailed(Exception):
@@ -110,11 +108,9 @@ class RemoteTier(LowerTier):
         self._used_bytes = 0
         # Names a read found missing (or of another size): dropped without removing the object,
         # which may be another reader's valid chunk. Written by jobs, read on the loop thread.
-        self._missing: set[str] = set()
-        self._missing_lock = threading.Lock()
         self._connect_lock = threading.Lock()
         self._connected = False
-        self._verify_pool: ThreadPoolExecutor | None = None  # started by the first read
+        self.verifier = Verifier(self.store, self.io_threads)  # what read jobs fetched
 
     # -- connection (jobs only) ------------------------------------------------------------------
     def _ready(self) -> MooncakeStore:
@@ -311,13 +307,41 @@ class RemoteTier(LowerTier):
             payloads.append(self._buffers(arena, runs, target.nbytes))
 
         def job() -> int:
-            stored = self._ready().put(names, headers, payloads)
-            refused = stored.count(False)
+            store = self._ready()
+            todo = self._to_write(store, names, [t for t, _ in items])
+            codes = store.put([names[i] for i in todo], [headers[i] for i in todo],
+                              [payloads[i] for i in todo]) if todo else []
+            # ALREADY_EXISTS: another writer's put landed between the check and ours
+            refused = sum(1 for code in codes if code not in (0, OBJECT_ALREADY_EXISTS))
             if refused:
                 raise RemoteWriteFailed(f"the store refused {refused} of {len(names)} objects")
             return sum(t.nbytes for t, _ in items)
 
         return job
+
+    def _to_write(self, store: MooncakeStore, names: list[str], targets: list[ChunkEntry]
+                  ) -> list[int]:
+        """Which objects of a write job to put: the absent ones, and those whose name holds
+        something that is not a whole chunk of its key and layout (damaged, cut short, another
+        tenant's header: removed first). Mooncake answers a put under an existing name with 0
+        and keeps the old object, so a re-publish used to announce a broken object; a whole valid
+        copy (another node's) is kept and serves as ours. One existence check per job; an
+        object found is read whole once."""
+        present = store.exists(names)
+        if True not in present:
+            return list(range(len(names)))
+        todo = []
+        for i, here in enumerate(present):
+            if here:
+                target = targets[i]
+                if objects.whole_chunk_length(store.whole(names[i]), names[i], target.ikey,
+                                     target.fingerprint) == target.nbytes:
+                    continue
+                log.warning("remote object %s is not a whole chunk of its key and layout; "
+                            "replacing it", names[i])
+                store.remove([names[i]])
+            todo.append(i)
+        return todo
 
     def commit(self, entry: ChunkEntry) -> None:
         self.pending.pop(entry.ikey, None)
@@ -374,79 +398,12 @@ class RemoteTier(LowerTier):
                 if checking is not None:
                     out.extend(checking.result())
                 # verified while the next batch is on the wire (xxh3 releases the GIL)
-                checking = self._verifier().submit(self._verify_part, arena, part, raws)
+                checking = self.verifier.submit(arena, part, raws)
             if checking is not None:
                 out.extend(checking.result())
             return out
 
         return job
-
-    def _verifier(self) -> ThreadPoolExecutor:
-        """The threads that check what read jobs fetched: one per I/O thread, since each running
-        job keeps one call's check in flight; with one thread for all, concurrent GETs queued
-        their checks behind each other and one core's xxh3 bounded the tier's fetch rate."""
-        if self._verify_pool is None:
-            with self._connect_lock:
-                if self._verify_pool is None:
-                    self._verify_pool = ThreadPoolExecutor(
-                        self.io_threads, thread_name_prefix="kvtierd-remote-verify")
-        return self._verify_pool
-
-    def _verify_part(self, arena: Arena, part: list[Read], raws: list[bytes | int]
-                     ) -> list[bytes | Exception]:
-        return [self._verified(arena, read, raw) for read, raw in zip(part, raws)]
-
-    def _verified(self, arena: Arena, read: Read, raw: bytes | int) -> bytes | Exception:
-        """The payload's checksum if ``raw`` (the header read) and the payload are this chunk's;
-        else the item's error (on an I/O thread: only ``_missing`` is shared, under its lock)."""
-        nbytes = sum(length for _, length in read.segments)
-        if raw.__class__ is int:
-            problem = self._failed_read(read, nbytes, raw)  # type: ignore[arg-type]
-            if isinstance(problem, RemoteMiss):
-                with self._missing_lock:
-                    self._missing.add(read.name)
-            return problem
-        try:
-            header = objects.check_header(raw, read.name, read.entry.ikey,
-                                          read.entry.fingerprint, nbytes)
-        except objects.HeaderMismatch as exc:
-            return IntegrityError(f"remote object {read.name}: {exc}")
-        got = payload_checksum(arena.view, read.segments)
-        if got != header.checksum:
-            return IntegrityError(f"remote object {read.name}: payload checksum {got.hex()} "
-                                  f"differs from its header's {header.checksum.hex()}")
-        return got
-
-    def _failed_read(self, read: Read, nbytes: int, code: int) -> Exception:
-        """Why a read of ``nbytes`` failed with ``code``: missing (a plain miss), an object that is
-        not a whole chunk (truncated, grown, no header: an ``IntegrityError``, so it is removed
-        and counted, instead of being promised by every existence check until Mooncake evicts
-        it), a valid object of another size (the reader asked the wrong size: a plain miss, the
-        object kept), or a transfer that failed (a plain miss). Reads the whole object once to
-        tell them apart: only failed reads pay for it."""
-        if code == OBJECT_NOT_FOUND:
-            return RemoteMiss(f"{read.name}: not in the store")
-        whole = self.store.whole(read.name)
-        if whole is None:
-            return RemoteMiss(f"{read.name}: the read failed (Mooncake code {code}) and the "
-                              "object cannot be read whole")
-        length = len(whole) - objects.HEADER_BYTES
-        if length == nbytes:
-            return RemoteMiss(f"{read.name}: the read failed (Mooncake code {code}); the object "
-                              "has the right length")
-        if length > 0:
-            try:
-                header = objects.check_header(whole[length:], read.name, read.entry.ikey,
-                                              read.entry.fingerprint, length)
-            except objects.HeaderMismatch:
-                header = None
-            if header is not None and payload_checksum(memoryview(whole), [(0, length)]) == \
-                    header.checksum:
-                return RemoteMiss(f"{read.name}: a whole chunk of {length} bytes, the reader "
-                                  f"asked for {nbytes}")
-        return IntegrityError(f"remote object {read.name}: {len(whole)} bytes in the store, not a "
-                              f"chunk with its header (a chunk of {nbytes} bytes is "
-                              f"{nbytes + objects.HEADER_BYTES})")
 
     def acquire(self, entry: ChunkEntry) -> None:
         entry.ref_count += 1
@@ -461,11 +418,7 @@ class RemoteTier(LowerTier):
         if self.known.get(entry.ikey) is entry:
             self._forget(entry.ikey)
         entry.doomed = True
-        name = self.name_of(entry.ikey, entry.fingerprint)
-        with self._missing_lock:
-            missing = name in self._missing
-            self._missing.discard(name)
-        if not missing:
+        if not self.verifier.take_missing(self.name_of(entry.ikey, entry.fingerprint)):
             self._deletions.append(entry)
         self.on_drop(entry)
 
@@ -538,9 +491,7 @@ class RemoteTier(LowerTier):
         assert all(e.ref_count >= 0 for e in entries.values())
 
     def close(self) -> None:
-        if self._verify_pool is not None:
-            self._verify_pool.shutdown(wait=True)
-            self._verify_pool = None
+        self.verifier.close()
         self.store.close()
         self._connected = False
 

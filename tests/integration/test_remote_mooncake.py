@@ -20,7 +20,8 @@ from kvtierd.config_remote import RemoteConfig
 from kvtierd.copy.memcpy import checksum
 from kvtierd.protocol import Status, Tier
 from kvtierd.remote import objects
-from kvtierd.remote.tier import RemoteMiss, RemoteTier
+from kvtierd.remote.tier import RemoteTier
+from kvtierd.remote.verify import RemoteMiss
 from kvtierd.tiers.arena import Arena
 from kvtierd.tiers.chunk import segments
 from kvtierd.tiers.lower import IntegrityError, TierUnavailable
@@ -229,7 +230,7 @@ def test_concurrent_read_jobs_verify_on_threads_of_their_own(master, arena, monk
             jobs.append(node.tier.read_batch_job(items, arena))
         met = threading.Barrier(2, timeout=10)
         checked: list[str] = []
-        verify = node.tier._verify_part
+        verify = node.tier.verifier._check_part
 
         def first_checks_meet(*args):
             checked.append(threading.current_thread().name)
@@ -237,7 +238,7 @@ def test_concurrent_read_jobs_verify_on_threads_of_their_own(master, arena, monk
                 met.wait()  # BrokenBarrierError after 10 s if the checks run one after another
             return verify(*args)
 
-        node.tier._verify_part = first_checks_meet
+        node.tier.verifier._check_part = first_checks_meet
         with ThreadPoolExecutor(2) as pool:
             results = list(pool.map(node.run, jobs))
         assert len(set(checked[:2])) == 2 and len(checked) == 8
@@ -320,6 +321,55 @@ def test_a_reader_asking_another_size_of_a_whole_object_misses_and_keeps_it(mast
         with master.ns.entered():
             store.close()
     assert node.load(key, len(data), page=8) == data
+
+
+@pytest.mark.parametrize("there", ["garbage", "cut-copy", "another-tenants-header"])
+def test_a_publish_replaces_a_bad_object_under_its_name(master, node, there) -> None:
+    """Issue 38 item 4: Mooncake answered OBJECT_ALREADY_EXISTS, the tier counted it as stored and
+    the node announced the broken object. Now an object under the name that is not a whole chunk
+    of this key and layout is replaced."""
+    key = ikey("uid:1", b"republish-" + there.encode())
+    data = os.urandom(2 * PAGE)
+    name = node.tier.name_of(key, FP)
+    good = data + objects.header_for(name, key, FP, len(data),
+                                     checksum(memoryview(data), [(0, len(data))])).pack()
+    bad = {"garbage": os.urandom(len(good)), "cut-copy": good[: len(good) // 2],
+           "another-tenants-header": data + objects.header_for(
+               name, ikey("uid:2", b"republish-" + there.encode()), FP, len(data),
+               checksum(memoryview(data), [(0, len(data))])).pack()}[there]
+    store = raw_client(master)
+    try:
+        with master.ns.entered():
+            assert store.put(name, bad) == 0
+        node.publish(key, data, page=0)
+        with master.ns.entered():
+            assert store.get(name) == good, "the bad object was kept"
+        node.tier.known.clear()  # as another node: read it back through the store
+        node.tier._used_bytes = 0
+        assert node.load(key, len(data), page=8) == data
+    finally:
+        with master.ns.entered():
+            store.close()
+
+
+def test_a_publish_keeps_another_writers_whole_copy(master, node) -> None:
+    """Two nodes computing one chunk: the second publish finds a whole valid chunk (other bytes,
+    its own checksum) under the name and keeps it, rather than overwriting a copy readers use."""
+    key = ikey("uid:1", b"two-writers")
+    theirs, mine = os.urandom(PAGE), os.urandom(PAGE)
+    name = node.tier.name_of(key, FP)
+    their_object = theirs + objects.header_for(
+        name, key, FP, len(theirs), checksum(memoryview(theirs), [(0, len(theirs))])).pack()
+    store = raw_client(master)
+    try:
+        with master.ns.entered():
+            assert store.put(name, their_object) == 0
+        node.publish(key, mine, page=0)
+        with master.ns.entered():
+            assert store.get(name) == their_object
+    finally:
+        with master.ns.entered():
+            store.close()
 
 
 def test_forged_header_tenant_is_an_integrity_failure(master, node) -> None:
