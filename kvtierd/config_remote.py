@@ -67,11 +67,16 @@ class RemoteConfig:
     # Most names the tier remembers from existence checks (LRU), so that a LOOKUP followed by its
     # GET asks the master once.
     known_keys: int = 65536
+    # Copies Mooncake keeps of each object (each in another node's segment, as the pool allows).
+    # 1, Mooncake's default: a node whose segment dies takes its share of every tenant's objects
+    # with it (a miss on every node, then recomputed). At most MAX_REPLICAS.
+    replicas: int = 1
 
 
 _SIZE_KEYS = ("global_segment_bytes", "local_buffer_bytes")
 _FLOAT_KEYS = ("retry_s", "connect_timeout_s")
-_INT_KEYS = ("io_threads", "max_batch", "known_keys")
+_INT_KEYS = ("io_threads", "max_batch", "known_keys", "replicas")
+MAX_REPLICAS = 8
 _KEYS = tuple(RemoteConfig.__dataclass_fields__)
 
 
@@ -140,6 +145,8 @@ def _validate(cfg: RemoteConfig) -> None:
     for key in ("io_threads", "max_batch", "known_keys"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"remote.{key}", getattr(cfg, key), "a positive integer")
+    if not 1 <= cfg.replicas <= MAX_REPLICAS:
+        raise ConfigError("remote.replicas", cfg.replicas, f"1..{MAX_REPLICAS}")
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -54,15 +54,20 @@ class RemoteSetupError(RuntimeError):
 
 
 def _import_store():
+    return _module().MooncakeDistributedStore
+
+
+def _module():
+    """``mooncake.store``, or RemoteSetupError naming what to install."""
     try:
-        from mooncake.store import MooncakeDistributedStore
+        from mooncake import store
     except ImportError as exc:
         raise RemoteSetupError(
             f"[remote] backend \"mooncake\" needs Mooncake's Python client ({exc}): install the "
             "remote extra (pip install 'kvtierd[remote]', which brings "
             "mooncake-transfer-engine-non-cuda; on GPU nodes mooncake-transfer-engine) and the "
             "Debian libraries libibverbs1 and librdmacm1") from None
-    return MooncakeDistributedStore
+    return store
 
 
 def _bind_transfer_engine(hostname: str) -> None:
@@ -117,6 +122,7 @@ class MooncakeStore:
     def __init__(self, cfg: RemoteConfig) -> None:
         self.cfg = cfg
         self._store = None
+        self._put_config = None  # ReplicateConfig with cfg.replicas, made at connect
         self._registered: list[int] = []
         self.headers = HeaderPool(cfg.max_batch)
 
@@ -147,6 +153,8 @@ class MooncakeStore:
             raise RemoteSetupError(f"Mooncake Store setup failed with code {rc} ({where}); is "
                                    "mooncake_master running and reachable?")
         self._store = store
+        self._put_config = _module().ReplicateConfig()
+        self._put_config.replica_num = cfg.replicas
         self.register(self.headers.address, self.headers.nbytes)
         log.info("remote tier: Mooncake Store at %s (metadata %s, %s, segment %d bytes)",
                  cfg.master_addr, cfg.metadata_url, cfg.protocol, cfg.global_segment_bytes)
@@ -217,7 +225,8 @@ class MooncakeStore:
                 self.headers.write(slot, header)
                 ptrs.append([a for a, _ in buffers] + [slot])
                 sizes.append([n for _, n in buffers] + [len(header)])
-            codes = self._client().batch_put_from_multi_buffers(list(names), ptrs, sizes)
+            codes = self._client().batch_put_from_multi_buffers(list(names), ptrs, sizes,
+                                                                self._put_config)
         self._raise_if_down(codes, "batch_put_from_multi_buffers")
         return list(codes)
 

@@ -372,6 +372,23 @@ def test_a_publish_keeps_another_writers_whole_copy(master, node) -> None:
             store.close()
 
 
+def test_replicas_are_asked_of_the_store(master, arena) -> None:
+    """Issue 38 item 10: ``[remote] replicas`` is passed to Mooncake's puts (before, every object
+    had one replica, so a node that died took its share of every tenant's objects with it)."""
+    store = raw_client(master)  # a second segment in the pool, for the second replica
+    node = Harness(master, arena, replicas=2)
+    try:
+        key = ikey("uid:1", b"two-copies")
+        node.publish(key, os.urandom(PAGE), page=0)
+        with master.ns.entered():
+            replicas = store.get_replica_desc(node.tier.name_of(key, FP))
+        assert len(replicas) == 2, replicas
+    finally:
+        node.close()
+        with master.ns.entered():
+            store.close()
+
+
 def test_forged_header_tenant_is_an_integrity_failure(master, node) -> None:
     """An object under tenant A's name whose header says tenant B (or is cut short) never
     passes."""

@@ -47,6 +47,9 @@ def test_env_cannot_set_the_table(tmp_path) -> None:
     ({"max_batch": 0}, "remote.max_batch", "positive integer"),
     ({"known_keys": -1}, "remote.known_keys", "non-negative"),
     ({"master": "x"}, "remote.master", "one of backend"),
+    ({"replicas": 0}, "remote.replicas", "1..8"),
+    ({"replicas": 9}, "remote.replicas", "1..8"),
+    ({"replicas": "2"}, "remote.replicas", "non-negative integer"),
 ])
 def test_bad_values_name_the_key_and_what_is_allowed(table, key, allowed) -> None:
     with pytest.raises(ConfigError, match="allowed") as err:
