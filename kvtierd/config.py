@@ -225,13 +225,6 @@ class Config:
             return self.ipc_path is None
         return self.anonymous_tenant == "allow"
 
-    def per_uid_cap(self, key: str) -> int:
-        """``max_sessions_per_uid`` or ``max_connections_per_uid`` in force, given its global
-        cap ``limit`` (0: a quarter of it); never above the global cap."""
-        configured = getattr(self, f"{key}_per_uid")
-        limit = getattr(self, key)
-        return min(limit, configured) if configured else max(1, limit // 4)
-
     @property
     def socket_mode_bits(self) -> int:
         return int(self.socket_mode, 8)

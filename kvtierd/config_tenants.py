@@ -89,6 +89,13 @@ def _id_list(key: str, values: Any) -> tuple[int, ...]:
 ANONYMOUS_CHOICES = ("auto", "allow", "refuse")
 
 
+def per_uid_cap(configured: int, limit: int) -> int:
+    """A per-uid cap in force (``max_sessions_per_uid``, ``max_connections_per_uid``) given the
+    global cap in force ``limit``: ``configured`` (0: a quarter of ``limit``), never above
+    ``limit``."""
+    return min(limit, configured) if configured else max(1, limit // 4)
+
+
 def validate_access(cfg: Any) -> None:
     """Who may open sessions: the anonymous tenant's switch and the per-uid caps."""
     if cfg.anonymous_tenant not in ANONYMOUS_CHOICES:

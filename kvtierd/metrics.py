@@ -12,15 +12,14 @@ the operator sets ``expose_tenant_stats``); every aggregate stays open to any sc
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import threading
-from socketserver import ThreadingMixIn
 from typing import Callable, Iterable
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -132,28 +131,18 @@ class _Registries(Collector):
             yield from registry.collect()
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a stuck scrape never holds the daemon's exit
-
-
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
         """Scrapes are not logged (every 15 s per Prometheus)."""
 
 
-def bearer_app(open_app, full_app, tokens: Iterable[str]):
-    """A WSGI app serving ``full_app`` to requests whose ``Authorization: Bearer`` token is one of
-    ``tokens`` (compared in constant time), ``open_app`` to every other."""
-    expected = [t.encode("utf-8") for t in tokens if t]
+def bearer_app(open_app, full_app, admits: Callable[[str], bool]):
+    """A WSGI app serving ``full_app`` to requests whose ``Authorization: Bearer`` token
+    ``admits`` (the daemon's constant-time token check), ``open_app`` to every other."""
 
     def app(environ, start_response):
-        given = environ.get("HTTP_AUTHORIZATION", "")
-        scheme, _, token = given.partition(" ")
-        ok = False
-        if scheme.lower() == "bearer" and token:
-            raw = token.strip().encode("utf-8", "surrogateescape")
-            for candidate in expected:  # every one compared: the timing says nothing
-                ok |= hmac.compare_digest(raw, candidate)
+        scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        ok = scheme.lower() == "bearer" and admits(token.strip())
         return (full_app if ok else open_app)(environ, start_response)
 
     return app
@@ -276,21 +265,22 @@ class DaemonMetrics:
     def add_tiers(self, tiers: Callable[[], Iterable[tuple[str, dict[str, int]]]]) -> None:
         self.registry.register(TierCollector(tiers))
 
-    def serve(self, addr: str, tenant_tokens: Iterable[str] = (),
+    def serve(self, addr: str, admits: Callable[[str], bool] = lambda token: False,
               expose_tenants: bool = False) -> tuple[str, int] | None:
         """Start the /metrics HTTP exporter on ``host:port``; return the bound address. Scrapes
-        with a bearer token of ``tenant_tokens`` (or every scrape, ``expose_tenants``) also get
-        the per-tenant series."""
+        with a bearer token that ``admits`` (or every scrape, ``expose_tenants``) also get the
+        per-tenant series."""
         if addr == "off":
             return None
         host, _, port = addr.rpartition(":")
         host = host.strip("[]")
         full = make_wsgi_app(_Registries(self.registry, self.tenant_registry))
         app = full if expose_tenants else bearer_app(make_wsgi_app(self.registry), full,
-                                                     tenant_tokens)
-        server_class = _Server
+                                                     admits)
+        server_class = ThreadingWSGIServer  # daemon threads: a stuck scrape never holds exit
         if ":" in host:  # an IPv6 literal
-            server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+            server_class = type("_Server6", (ThreadingWSGIServer,),
+                                {"address_family": socket.AF_INET6})
         self._server = make_server(host, int(port), app, server_class, handler_class=_QuietHandler)
         threading.Thread(target=self._server.serve_forever, name="kvtierd-metrics",
                          daemon=True).start()

@@ -24,9 +24,8 @@ Everything that moves chunks between tiers is written here once, for any ``Lower
 * **Faults**: a failed write drops that chunk from the tier (and, for a demotion, from the arena,
   which it was leaving anyway); a failed or corrupt read drops the copy below and the reader gets a
   miss; a job raising ``TierUnavailable`` opens the tier's circuit for its ``retry_s`` (skipped by
-  lookups, reads and writes meanwhile), after which a probe job (``LowerTier.probe_job``, on the
-  tier's engine) decides: the circuit closes only once it reaches the tier, so no request ever
-  waits for a tier coming back (Mooncake's reconnect took ~4 s). Each raises a metric (``tier``
+  lookups, reads and writes meanwhile), after which a probe job off the request path decides
+  (``kvtierd.server.circuit``). Each raises a metric (``tier``
   label) and a log line; the daemon keeps serving.
 
 Runs on the loop thread; every byte transfer is a job on the I/O engine (its own thread pool, so a
@@ -48,6 +47,7 @@ from kvtierd.metrics import DaemonMetrics
 from kvtierd.protocol import Status, Tier
 from kvtierd.server import chain_cascade, chain_io
 from kvtierd.server.chain_cascade import Cascade
+from kvtierd.server.circuit import Circuit
 from kvtierd.tiers.chunk import ChunkEntry
 from kvtierd.tiers.cpu import CpuTier
 from kvtierd.tiers.lower import MISS_ANSWER as _MISS_ANSWER
@@ -115,12 +115,7 @@ class Link:
     tier: LowerTier
     policy: PublishPolicy
     engine: CopyEngine  # where its jobs run: the shared I/O pool or its own (LowerTier.io_threads)
-    open_until: float = 0.0  # circuit open (tier skipped) until this monotonic time
-    up: bool = True  # what the last check said (logged and exported on change)
-    # A job found the tier unreachable: it stays skipped until a probe (``LowerTier.probe_job``,
-    # on the tier's own engine, after ``open_until``) reaches it; no request waits for the probe.
-    tripped: bool = False
-    probing: bool = False
+    circuit: Circuit = field(init=False)  # set by the chain: whether it may be asked now
     queued: dict[str, list[tuple[ChunkEntry, ChunkEntry]]] = field(
         default_factory=lambda: {kind: [] for kind in WRITE_KINDS})  # (cpu entry, target)
     reads: list[Promotion] = field(default_factory=list)  # promotions waiting for flush
@@ -173,12 +168,14 @@ class TierChain:
         for link in self.links:
             link.tier.on_drop = partial(self._lower_dropped, link)
             link.tier.on_evict = partial(self._lower_evicted, link)
-            metrics.tier_available.labels(link.name).set(1)
-            metrics.tier_unavailable.labels(link.name)  # primed at 0: alerts need a series
+            link.circuit = Circuit(link.tier, metrics, clock, partial(self._submit_probe, link))
         if self.links:
             cpu.demoter = self.demote
         cpu.on_evict = self._cpu_evicted
         self.bounce = chain_cascade.set_aside(cpu, self.links, cascade_bytes)
+
+    def _submit_probe(self, link: Link, job: Any) -> None:
+        self._submit(IoJob("probe", link), job, 0)
 
     @property
     def checks_existence(self) -> bool:
@@ -200,66 +197,24 @@ class TierChain:
                 return link
         raise KeyError(f"no {tier.name} tier in the chain")
 
-    # -- health ------------------------------------------------------------------------------------
+    # -- health (each tier's circuit: ``kvtierd.server.circuit``) --------------------------------
     def usable(self, link: Link) -> bool:
-        """Whether the tier may be asked now: it says it is available and its circuit is closed
-        (a tripped circuit closes only once a probe reached the tier: ``probe``)."""
-        if link.tripped:
-            self._probe(link)
-        ok = not link.tripped and self.clock() >= link.open_until and link.tier.available()
-        if ok != link.up:
-            link.up = ok
-            self.metrics.tier_available.labels(link.name).set(int(ok))
-            if ok:
-                log.info("%s tier is available again; lookups and writes use it", link.name)
-            else:
-                self.metrics.tier_unavailable.labels(link.name).inc()
-                log.warning("%s tier reports itself unavailable; lookups and writes skip it, "
-                            "the tiers above keep serving", link.name)
-        return ok
+        """Whether the tier may be asked now: it says it is available and its circuit is closed."""
+        return link.circuit.usable()
 
     def probe(self) -> None:
         """Start the probe of each tripped tier whose ``retry_s`` has passed (called every loop
-        iteration and tick). The probe runs off the request path, on the tier's engine; until it
-        answers, lookups, reads and writes skip the tier and ``kvtierd_tier_available`` reads 0.
-        A tier without a probe job closes its circuit at once (the next job is the probe)."""
+        iteration and tick): off the request path, on the tier's engine."""
         for link in self.links:
-            if link.tripped:
-                self._probe(link)
-                self.usable(link)  # exports the change when there was no probe to wait for
-
-    def _probe(self, link: Link) -> None:
-        if link.probing or self.clock() < link.open_until:
-            return
-        job = link.tier.probe_job()
-        if job is None:
-            link.tripped = False  # the next job decides, as before probes
-            return
-        link.probing = True
-        self._submit(IoJob("probe", link), job, 0)
+            link.circuit.probe()
 
     def probed(self, link: Link, error: BaseException | None) -> None:
-        """A probe answered (``chain_io``): the circuit closes, or (``error``) stays open for
-        another ``retry_s``."""
-        link.probing = False
-        if error is None:
-            link.tripped = False
-            link.open_until = 0.0
-            self.usable(link)  # logs and exports the change at once
-        else:
-            self.trip(link, error)
+        """A probe answered (``chain_io``)."""
+        link.circuit.probed(error)
 
     def trip(self, link: Link, error: BaseException) -> None:
-        """A job found the tier unreachable: skip it for its ``retry_s``, then until a probe
-        reaches it."""
-        link.tripped = True
-        link.open_until = self.clock() + link.tier.retry_s
-        if link.up:
-            link.up = False
-            self.metrics.tier_available.labels(link.name).set(0)
-            self.metrics.tier_unavailable.labels(link.name).inc()
-            log.warning("%s tier unavailable (%s); skipped for %.1f s, the tiers above keep "
-                        "serving", link.name, error, link.tier.retry_s)
+        """A job found the tier unreachable."""
+        link.circuit.trip(error)
 
     # -- lookups across tiers ----------------------------------------------------------------------
     def lookup(self, ikey: Any, fingerprint: str) -> tuple[Status, Tier, ChunkEntry | None]:

@@ -172,9 +172,7 @@ class ConnectionGuard:
                 if fd in self.refusing:
                     self.refusing.discard(fd)
                 elif owner is not None:
-                    self.per_owner[owner] -= 1
-                    if self.per_owner[owner] <= 0:
-                        del self.per_owner[owner]
+                    self._release(owner)
                 disconnected = True
         refused = self._refuse_excess()
         self._gate()
@@ -198,6 +196,12 @@ class ConnectionGuard:
                         self.per_owner_limit, self.refused_per_owner_total)
         return 1
 
+    def _release(self, owner: object) -> None:
+        """One connection of ``owner`` no longer counts towards its share."""
+        self.per_owner[owner] -= 1
+        if self.per_owner[owner] <= 0:
+            del self.per_owner[owner]
+
     def _refuse_excess(self) -> int:
         excess = len(self.live) - len(self.refusing) - self.limit
         if excess <= 0:
@@ -206,10 +210,7 @@ class ConnectionGuard:
         for fd in newest:
             _shutdown(fd)
             self.refusing.add(fd)
-            owner = self.live[fd]
-            self.per_owner[owner] -= 1
-            if self.per_owner[owner] <= 0:
-                del self.per_owner[owner]
+            self._release(self.live[fd])
         self.refused_total += len(newest)
         log.warning("%d connection(s) refused: %d open, max_connections is %d (total refused %d)",
                     len(newest), len(self.live), self.limit, self.refused_total)

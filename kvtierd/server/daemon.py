@@ -27,6 +27,7 @@ import zmq
 
 from kvtierd import __version__, cuda_health, event_snapshot, native
 from kvtierd.config import Config
+from kvtierd.config_tenants import per_uid_cap
 from kvtierd.copy.engine import CopyEngine
 from kvtierd.events import NO_EVENTS, ChainEventsAdapter, EventsCollector, NoEvents
 from kvtierd.ghost import GhostCaches, GhostCollector
@@ -184,6 +185,7 @@ class Daemon(RequestServing):
         self.admission = Admission(cfg, self.metrics, max_sessions)
         self.handlers = OpHandlers(cfg, self.mover, self.sessions, self.metrics, accounting,
                                    self.tickets, self.tenants)
+        self.handlers.max_sessions_per_uid = per_uid_cap(cfg.max_sessions_per_uid, max_sessions)
         self.handlers.metrics_address = self.metrics_address
         self.handlers.handshake_stats = self.handshake.counts
         self.handlers.send = self._send  # LOOKUPs answered after a lower tier's existence check
@@ -292,9 +294,7 @@ class Daemon(RequestServing):
         """The handshake and connection-guard threads, on sockets bound at start (the monitor
         queued whatever connected meanwhile)."""
         self.handshake.start()
-        per_uid = min(self.max_connections, self.cfg.per_uid_cap("max_connections"))
-        if not self.cfg.max_connections_per_uid:  # derived: from the cap in force
-            per_uid = max(1, self.max_connections // 4)
+        per_uid = per_uid_cap(self.cfg.max_connections_per_uid, self.max_connections)
         self.guard = ConnectionGuard(self.monitor, self.max_connections, self.cfg.ipc_path,
                                      self._connections_changed, self.probes.disconnected,
                                      per_uid)

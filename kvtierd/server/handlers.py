@@ -15,6 +15,7 @@ from typing import Callable
 
 from kvtierd import __version__, cuda_health, staging_cuda
 from kvtierd.config import Config
+from kvtierd.config_tenants import per_uid_cap
 from kvtierd.ghost import GhostCaches
 from kvtierd.metrics import DaemonMetrics
 from kvtierd.peer import Peer
@@ -84,6 +85,8 @@ class OpHandlers:
         self.metrics_address: str = ""
         self.pinning: Callable[[], dict] | None = None  # the arena's CUDA pinning progress
         self.connections: Callable[[], dict] | None = None  # the connection guard's counts
+        # Sessions one uid may hold (the daemon sets it from the caps in force).
+        self.max_sessions_per_uid = per_uid_cap(cfg.max_sessions_per_uid, cfg.max_sessions)
 
     # -- session ---------------------------------------------------------------------------------
     def hello(self, identity: bytes, header: dict, frames: list) -> dict:
@@ -135,7 +138,7 @@ class OpHandlers:
         without credentials count as one user), so one user cannot take every session. The
         session this HELLO replaces (same routing id) does not count."""
         uid = peer.uid if peer is not None else None
-        cap = self.cfg.per_uid_cap("max_sessions")
+        cap = self.max_sessions_per_uid
         held = self.sessions.count_of_uid(uid, excluding=identity)
         if held < cap:
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from functools import partial
 from pathlib import Path
 
 import zmq
@@ -18,6 +19,7 @@ import zmq
 from kvtierd.config import Config
 from kvtierd.events import EventsBindError, NoEvents, make_events
 from kvtierd.paths import MAX_IPC_PATH_BYTES
+from kvtierd.server.admission import token_matches
 from kvtierd.server.handshake import HandshakeServer
 from kvtierd.server.socket_files import AlreadyServing, claim_ipc_path, prepare_socket_dir
 from kvtierd.tiers.arena import SHM_DIR, reclaim_stale_arenas
@@ -108,11 +110,16 @@ def serve_metrics(metrics, cfg: Config) -> str:
     expose_tenant_stats)."""
     addr = cfg.metrics_addr
     try:
-        bound = metrics.serve(addr, (cfg.admin_token, cfg.auth_token), cfg.expose_tenant_stats)
+        bound = metrics.serve(addr, partial(_opens_tenant_stats, cfg), cfg.expose_tenant_stats)
     except OSError as exc:
         reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror or exc
         raise StartupError("metrics_addr", addr, f"cannot listen: {reason}") from None
     return f"http://{bound[0]}:{bound[1]}/metrics" if bound else ""
+
+
+def _opens_tenant_stats(cfg: Config, token: str) -> bool:
+    """A scrape's bearer token shows per-tenant series: ``admin_token`` or ``auth_token``."""
+    return token_matches(token, cfg.admin_token) | token_matches(token, cfg.auth_token)
 
 
 def prepare_arena_room(cfg: Config, shm_dir: Path = SHM_DIR) -> None:
